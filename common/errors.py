@@ -1,0 +1,26 @@
+"""Errors a user can act on: each message is one line that names the fix."""
+
+
+class OmnirunError(Exception):
+    """Base of every error omnirun raises on bad input or an unusable setup."""
+
+
+class DeviceUnavailableError(OmnirunError):
+    """The named device cannot be used here; the message carries the probe's reason."""
+
+    def __init__(self, device: str, reason: str):
+        self.device = device
+        self.reason = reason
+        super().__init__(f"device '{device}' is unavailable: {reason}")
+
+
+class UnknownDeviceError(OmnirunError):
+    """No platform registered under that name."""
+
+
+class PluginLoadError(OmnirunError):
+    """A platform plugin raised while loading, or did not provide a Platform."""
+
+
+class DuplicatePlatformError(OmnirunError):
+    """Two installed packages register a platform under the same name."""

@@ -1,0 +1,201 @@
+"""The Platform protocol: the facts a device answers and the parts it builds.
+
+The device-neutral runner talks to a device only through a Platform. A device package subclasses `Platform`,
+sets the identity attributes, implements `_probe()` and `_capabilities()`, and overrides a method only where the
+generic implementation (built on `torch.get_device_module`) is wrong for its device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from omnirun.errors import DeviceUnavailableError
+
+AttentionMode = Literal["prefill", "decode"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """Whether a device can be used here, and if not, why and how to fix it."""
+
+    available: bool
+    reason: str = ""
+    device_count: int = 0
+
+    @classmethod
+    def ok(cls, device_count: int) -> ProbeResult:
+        return cls(True, "", device_count)
+
+    @classmethod
+    def unavailable(cls, reason: str) -> ProbeResult:
+        return cls(False, reason, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What the device can do. The runner reads these instead of asking which device it is on."""
+
+    device_name: str
+    # Model weight/activation dtypes the device computes in, best first.
+    model_dtypes: tuple[torch.dtype, ...]
+    # fp8 flavours for weights and KV cache; None where the device has no fp8.
+    # (e4m3fn/e5m2 on NVIDIA and newer AMD, e4m3fnuz/e5m2fnuz on AMD gfx94x.)
+    fp8_e4m3_dtype: torch.dtype | None
+    fp8_e5m2_dtype: torch.dtype | None
+    # Triton kernels (attention, fused ops in common/) compile and run on this device.
+    supports_triton: bool
+    # The graph mechanism the device offers ("cuda_graph", "hip_graph", ...), None: eager only.
+    graph_capture: str | None
+
+    @property
+    def bf16(self) -> bool:
+        return torch.bfloat16 in self.model_dtypes
+
+    @property
+    def fp8(self) -> bool:
+        return self.fp8_e4m3_dtype is not None
+
+    @property
+    def kv_cache_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Dtypes the paged KV cache can be stored in: the model dtypes plus the fp8 flavours."""
+        fp8 = tuple(d for d in (self.fp8_e4m3_dtype, self.fp8_e5m2_dtype) if d is not None)
+        return self.model_dtypes + fp8
+
+
+class Platform:
+    """One accelerator family. Subclasses live in `devices/<name>/platform.py` or in out-of-tree plugins."""
+
+    # --- identity (set by every subclass) ---
+    name: ClassVar[str]  # what the user types: --device <name>
+    torch_device_type: ClassVar[str]  # torch.device type: "cuda" for rocm too
+    dispatch_key: ClassVar[str]  # torch dispatch key of its tensors: "CUDA", "XPU", "PrivateUse1", ...
+    visible_devices_env: ClassVar[str | None] = None  # e.g. CUDA_VISIBLE_DEVICES
+    distributed_backend: ClassVar[str]  # torch.distributed backend: nccl, hccl, xccl, gloo
+    extra: ClassVar[str | None] = None  # pip extra that installs its vendor packages: omnirun[<extra>]
+    vendor_packages: ClassVar[tuple[str, ...]] = ()  # distributions whose versions `omnirun env` reports
+    # --device auto picks the available platform with the highest priority (ties: by name).
+    auto_priority: ClassVar[int] = 50
+
+    # --- availability ---
+    def probe(self) -> ProbeResult:
+        """Available, or the reason it is not. Cheap, never initialises the device, never raises."""
+        try:
+            return self._probe()
+        except Exception as exc:  # a probe must answer, whatever the vendor stack does
+            return ProbeResult.unavailable(f"probing {self.name} raised {type(exc).__name__}: {exc}")
+
+    def _probe(self) -> ProbeResult:
+        raise NotImplementedError(f"{type(self).__name__} must implement _probe()")
+
+    @property
+    def available(self) -> bool:
+        return self.probe().available
+
+    def require_available(self) -> None:
+        result = self.probe()
+        if not result.available:
+            raise DeviceUnavailableError(self.name, result.reason)
+
+    def install_hint(self) -> str:
+        """The pip command that brings this platform's vendor packages, for probe reasons."""
+        return f'pip install "omnirun[{self.extra}]"' if self.extra else ""
+
+    # --- capabilities ---
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        """Computed once, on first use; needs the device (it may initialise it)."""
+        self.require_available()
+        return self._capabilities()
+
+    def _capabilities(self) -> Capabilities:
+        raise NotImplementedError(f"{type(self).__name__} must implement _capabilities()")
+
+    # --- device control (generic: torch.get_device_module; override where the device differs) ---
+    @property
+    def device_module(self) -> Any:
+        return torch.get_device_module(self.torch_device_type)
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device(self.torch_device_type, self.current_device() if index is None else index)
+
+    def device_count(self) -> int:
+        return self.probe().device_count
+
+    def current_device(self) -> int:
+        return self.device_module.current_device()
+
+    def set_device(self, index: int) -> None:
+        self.device_module.set_device(index)
+
+    def synchronize(self, index: int | None = None) -> None:
+        self.device_module.synchronize(index)
+
+    def stream(self, index: int | None = None) -> torch.Stream:
+        return self.device_module.Stream(self.device(index))
+
+    def event(self, enable_timing: bool = False) -> torch.Event:
+        return self.device_module.Event(enable_timing=enable_timing)
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the host generator and every device generator of this platform."""
+        torch.manual_seed(seed)
+        self.device_module.manual_seed_all(seed)
+
+    # --- memory: the inputs of KV-pool sizing ---
+    def memory_info(self, index: int | None = None) -> tuple[int, int]:
+        """(free, total) bytes of one device, as the device driver sees it (other processes included)."""
+        free, total = self.device_module.mem_get_info(self.device(index))
+        return int(free), int(total)
+
+    def empty_cache(self) -> None:
+        self.device_module.empty_cache()
+
+    def peak_memory_allocated(self, index: int | None = None) -> int:
+        return int(self.device_module.max_memory_allocated(self.device(index)))
+
+    def reset_peak_memory(self, index: int | None = None) -> None:
+        self.device_module.reset_peak_memory_stats(self.device(index))
+
+    # --- factories: None means "use the device-neutral default" ---
+    def make_graph_runner(self, runner: Any) -> Any | None:
+        """A graph runner that captures and replays decode steps, or None to run eagerly."""
+        return None
+
+    def make_communicator(self, group: Any) -> Any | None:
+        """A faster collective communicator for `group`, or None to use torch.distributed as it is."""
+        return None
+
+    def fused_ops(self) -> Mapping[str, Callable[..., Any]]:
+        """Fused kernels by op name (rmsnorm, rotary, silu_and_mul, ...) overriding the torch-native reference."""
+        return {}
+
+    # --- attention ---
+    def attention_backends(self) -> tuple[str, ...]:
+        """Attention backends this device offers, best first. torch_native runs everywhere."""
+        backends = ("triton",) if self.capabilities.supports_triton else ()
+        return backends + ("torch_native",)
+
+    def default_attention_backend(self, mode: AttentionMode) -> str:
+        """The backend used for prefill or decode when the user names none."""
+        return self.attention_backends()[0]
+
+    # --- report ---
+    def package_versions(self) -> dict[str, str | None]:
+        """Installed version of each vendor distribution (None: not installed), read without importing it."""
+        return {dist: _installed_version(dist) for dist in self.vendor_packages}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None

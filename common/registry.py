@@ -1,0 +1,154 @@
+"""Discovery and selection of platforms.
+
+Every platform, the in-tree ones included, registers through the `omnirun.platforms` entry-point group, so an
+out-of-tree vendor package is a first-class citizen: `pip install` it and `--device <its name>` works.
+
+Selection order: an explicit `--device`, else the `OMNIRUN_DEVICE` environment variable, else `auto`, which picks
+the available platform with the highest `auto_priority` (cuda = rocm > npu > xpu > plugins > cpu).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import logging
+import os
+from collections.abc import Iterable
+
+from omnirun.errors import (
+    DeviceUnavailableError,
+    DuplicatePlatformError,
+    OmnirunError,
+    PluginLoadError,
+    UnknownDeviceError,
+)
+from omnirun.platform import Platform
+
+ENTRY_POINT_GROUP = "omnirun.platforms"
+DEVICE_ENV_VAR = "OMNIRUN_DEVICE"
+AUTO = "auto"
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokenPlugin:
+    """A registered platform that raised on load (or did not provide a Platform)."""
+
+    name: str
+    source: str  # "distribution version (module:attr)"
+    error: str  # "ExceptionType: message"
+
+    def message(self) -> str:
+        return f"platform plugin '{self.name}' from {self.source} failed to load: {self.error}"
+
+
+class PlatformRegistry:
+    """The platforms installed in this environment, by name."""
+
+    def __init__(self, platforms: dict[str, Platform], broken: dict[str, BrokenPlugin] | None = None):
+        self.platforms = platforms
+        self.broken = broken or {}
+
+    @classmethod
+    def discover(cls, entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> PlatformRegistry:
+        """Load every entry point of the group. A plugin that raises is kept as broken, never dropped."""
+        if entry_points is None:
+            entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+        entry_points = list(entry_points)
+        _reject_duplicates(entry_points)
+        platforms: dict[str, Platform] = {}
+        broken: dict[str, BrokenPlugin] = {}
+        for ep in entry_points:
+            try:
+                platforms[ep.name] = _load_platform(ep)
+            except Exception as exc:
+                broken[ep.name] = BrokenPlugin(ep.name, _source(ep), f"{type(exc).__name__}: {exc}")
+                logger.error(broken[ep.name].message())
+        if not platforms and not broken:
+            raise OmnirunError(
+                f"no platform is registered in the '{ENTRY_POINT_GROUP}' entry-point group: "
+                "install omnirun as a package (pip install -e .) rather than running it from the source tree"
+            )
+        return cls(platforms, broken)
+
+    def names(self) -> list[str]:
+        """Every registered name, broken plugins included, in auto-selection order."""
+        ranked = sorted(self.platforms.values(), key=lambda p: (-p.auto_priority, p.name))
+        return [p.name for p in ranked] + sorted(self.broken)
+
+    def get(self, name: str) -> Platform:
+        if name in self.platforms:
+            return self.platforms[name]
+        if name in self.broken:
+            raise PluginLoadError(self.broken[name].message())
+        raise UnknownDeviceError(
+            f"unknown device '{name}': choose one of {', '.join(self.names() + [AUTO])}, "
+            "or install the plugin package that provides it"
+        )
+
+    def select(self, device: str | None = None) -> Platform:
+        """The platform for --device (or OMNIRUN_DEVICE, or auto); raises with the reason if unusable."""
+        requested = (device or os.environ.get(DEVICE_ENV_VAR) or AUTO).strip().lower()
+        if requested != AUTO:
+            platform = self.get(requested)
+            platform.require_available()
+            return platform
+        if self.broken:
+            # auto must not quietly fall back past a plugin the user installed for a reason.
+            broken = "; ".join(b.message() for b in self.broken.values())
+            raise PluginLoadError(f"{broken} — fix or uninstall it, or name a device with --device")
+        reasons = []
+        for name in self.names():
+            probe = self.platforms[name].probe()
+            if probe.available:
+                return self.platforms[name]
+            reasons.append(f"{name}: {probe.reason}")
+        raise DeviceUnavailableError(AUTO, "no platform is available (" + "; ".join(reasons) + ")")
+
+
+def _load_platform(ep: importlib.metadata.EntryPoint) -> Platform:
+    factory = ep.load()
+    platform = factory()
+    if not isinstance(platform, Platform):
+        raise TypeError(f"{ep.value} made a {type(platform).__name__}, not an omnirun.Platform")
+    if platform.name != ep.name:
+        raise ValueError(f"entry point '{ep.name}' names a platform called '{platform.name}'; the two must match")
+    return platform
+
+
+def _source(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    owner = f"{dist.name} {dist.version}" if dist is not None else "an unknown distribution"
+    return f"{owner} ({ep.value})"
+
+
+def _reject_duplicates(entry_points: list[importlib.metadata.EntryPoint]) -> None:
+    seen: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in entry_points:
+        if ep.name in seen:
+            raise DuplicatePlatformError(
+                f"two packages register platform '{ep.name}': {_source(seen[ep.name])} and {_source(ep)}; "
+                "uninstall one of them"
+            )
+        seen[ep.name] = ep
+
+
+@functools.cache
+def default_registry() -> PlatformRegistry:
+    """The registry of this Python environment, discovered once per process."""
+    return PlatformRegistry.discover()
+
+
+def get_platform(name: str) -> Platform:
+    return default_registry().get(name)
+
+
+def select_platform(device: str | None = None) -> Platform:
+    return default_registry().select(device)
+
+
+def available_platforms() -> list[Platform]:
+    registry = default_registry()
+    return [registry.platforms[n] for n in registry.names() if n in registry.platforms and registry.platforms[n].available]

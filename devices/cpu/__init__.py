@@ -1,0 +1,1 @@
+"""The host CPU as an omnirun device: always available, the reference lane."""

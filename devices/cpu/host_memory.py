@@ -1,0 +1,68 @@
+"""Host memory as the CPU platform's memory probe: /proc/meminfo, capped by the container's cgroup limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_PROC = Path("/proc")
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def host_memory_info(proc: Path = _PROC, cgroup: Path = _CGROUP) -> tuple[int, int]:
+    """(free, total) bytes this process may still use: the tighter of the machine and its cgroup limit."""
+    meminfo = _read_kv(proc / "meminfo")
+    total = meminfo["MemTotal"] * 1024
+    free = meminfo.get("MemAvailable", meminfo["MemFree"]) * 1024
+    limit = _cgroup_limit(cgroup)
+    if limit is not None and limit[0] < total:
+        cg_total, cg_used = limit
+        total = cg_total
+        free = min(free, max(cg_total - cg_used, 0))
+    return free, total
+
+
+def peak_rss(proc: Path = _PROC) -> int:
+    """Peak resident set size of this process in bytes (VmHWM)."""
+    return _read_kv(proc / "self" / "status").get("VmHWM", 0) * 1024
+
+
+def reset_peak_rss(proc: Path = _PROC) -> None:
+    """Restart VmHWM from the current RSS (Linux: writing 5 to clear_refs); a no-op where not permitted."""
+    try:
+        (proc / "self" / "clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _cgroup_limit(cgroup: Path) -> tuple[int, int] | None:
+    """(limit, used) of this container's memory cgroup, v2 or v1; None when unlimited or not found."""
+    v2 = cgroup / "memory.max"
+    if v2.exists():
+        raw = v2.read_text().strip()
+        if raw == "max":
+            return None
+        used = int((cgroup / "memory.current").read_text()) - _read_kv(cgroup / "memory.stat").get("inactive_file", 0)
+        return int(raw), used
+    v1 = cgroup / "memory" / "memory.limit_in_bytes"
+    if v1.exists():
+        limit = int(v1.read_text())
+        if limit >= 1 << 60:  # v1 spells "unlimited" as a huge page-aligned number
+            return None
+        stat = _read_kv(cgroup / "memory" / "memory.stat")
+        used = int((cgroup / "memory" / "memory.usage_in_bytes").read_text()) - stat.get("total_inactive_file", 0)
+        return limit, used
+    return None
+
+
+def _read_kv(path: Path) -> dict[str, int]:
+    """Parse 'Key: 123 kB' (procfs) or 'key 123' (cgroup) lines into ints; missing file → {}."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    values = {}
+    for line in lines:
+        parts = line.replace(":", " ").split()
+        if len(parts) >= 2 and parts[1].isdigit():
+            values[parts[0]] = int(parts[1])
+    return values

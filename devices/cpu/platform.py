@@ -1,0 +1,82 @@
+"""The CPU platform: the host processor, its memory read from the OS, gloo for collectives."""
+
+from __future__ import annotations
+
+import platform as _host
+
+import torch
+
+from omnirun.devices.cpu.host_memory import host_memory_info, peak_rss, reset_peak_rss
+from omnirun.platform import Capabilities, Platform, ProbeResult
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    torch_device_type = "cpu"
+    dispatch_key = "CPU"
+    visible_devices_env = None
+    distributed_backend = "gloo"
+    extra = "cpu"
+    vendor_packages = ("intel-extension-for-pytorch",)
+    auto_priority = 0  # the fallback: auto picks it only when no accelerator is available
+
+    def _probe(self) -> ProbeResult:
+        return ProbeResult.ok(1)
+
+    def _capabilities(self) -> Capabilities:
+        return Capabilities(
+            device_name=_cpu_model_name(),
+            model_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+            # torch stores and converts fp8 on the CPU; compute upcasts.
+            fp8_e4m3_dtype=torch.float8_e4m3fn,
+            fp8_e5m2_dtype=torch.float8_e5m2,
+            supports_triton=False,
+            graph_capture=None,
+        )
+
+    # A CPU tensor's device is plain "cpu"; "cpu:0" compares unequal to it.
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_device(self, index: int) -> None:
+        if index != 0:
+            raise ValueError(f"the cpu platform has one device (index 0), not {index}")
+
+    def synchronize(self, index: int | None = None) -> None:
+        torch.cpu.synchronize()
+
+    def stream(self, index: int | None = None) -> torch.Stream:
+        return torch.cpu.Stream()
+
+    def event(self, enable_timing: bool = False) -> torch.Event:
+        return torch.Event("cpu", enable_timing=enable_timing)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def memory_info(self, index: int | None = None) -> tuple[int, int]:
+        return host_memory_info()
+
+    def empty_cache(self) -> None:
+        """Nothing to do: torch's CPU allocator hands freed memory back to the OS itself."""
+
+    def peak_memory_allocated(self, index: int | None = None) -> int:
+        """Peak resident memory of the whole process: torch does not track CPU allocations by itself."""
+        return peak_rss()
+
+    def reset_peak_memory(self, index: int | None = None) -> None:
+        reset_peak_rss()
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _host.processor() or _host.machine()
