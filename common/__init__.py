@@ -6,7 +6,7 @@ those are imported lazily, inside their device package, when that device is prob
 
 from omnirun.errors import DeviceUnavailableError, OmnirunError
 from omnirun.platform import Capabilities, Platform, ProbeResult
-from omnirun.registry import available_platforms, get_platform, select_platform
+from omnirun.registry import get_platform, select_platform
 
 __version__ = "0.1.0"
 
@@ -16,7 +16,6 @@ __all__ = [
     "OmnirunError",
     "Platform",
     "ProbeResult",
-    "available_platforms",
     "get_platform",
     "select_platform",
 ]

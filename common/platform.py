@@ -86,9 +86,11 @@ class Platform:
     def probe(self) -> ProbeResult:
         """Available, or the reason it is not. Cheap, never initialises the device, never raises."""
         try:
-            return self._probe()
-        except Exception as exc:  # a probe must answer, whatever the vendor stack does
-            return ProbeResult.unavailable(f"probing {self.name} raised {type(exc).__name__}: {exc}")
+            result = self._probe()
+        except (Exception, SystemExit) as exc:  # a probe must answer, whatever the vendor stack does (some sys.exit)
+            result = ProbeResult.unavailable(f"probing {self.name} raised {type(exc).__name__}: {exc}")
+        # Reasons end up in one-line errors: fold any newline a vendor message brought along.
+        return dataclasses.replace(result, reason=" ".join(result.reason.split()))
 
     def _probe(self) -> ProbeResult:
         raise NotImplementedError(f"{type(self).__name__} must implement _probe()")
@@ -143,9 +145,8 @@ class Platform:
         return self.device_module.Event(enable_timing=enable_timing)
 
     def manual_seed(self, seed: int) -> None:
-        """Seed the host generator and every device generator of this platform."""
+        """Seed the host generator and every device's (torch.manual_seed covers cuda, xpu and PrivateUse1 too)."""
         torch.manual_seed(seed)
-        self.device_module.manual_seed_all(seed)
 
     # --- memory: the inputs of KV-pool sizing ---
     def memory_info(self, index: int | None = None) -> tuple[int, int]:

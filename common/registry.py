@@ -65,7 +65,6 @@ class PlatformRegistry:
                 platforms[ep.name] = _load_platform(ep)
             except Exception as exc:
                 broken[ep.name] = BrokenPlugin(ep.name, _source(ep), f"{type(exc).__name__}: {exc}")
-                logger.error(broken[ep.name].message())
         if not platforms and not broken:
             raise OmnirunError(
                 f"no platform is registered in the '{ENTRY_POINT_GROUP}' entry-point group: "
@@ -94,6 +93,8 @@ class PlatformRegistry:
         if requested != AUTO:
             platform = self.get(requested)
             platform.require_available()
+            for plugin in self.broken.values():  # not in the way, but never silent
+                logger.warning(plugin.message())
             return platform
         if self.broken:
             # auto must not quietly fall back past a plugin the user installed for a reason.
@@ -147,8 +148,3 @@ def get_platform(name: str) -> Platform:
 
 def select_platform(device: str | None = None) -> Platform:
     return default_registry().select(device)
-
-
-def available_platforms() -> list[Platform]:
-    registry = default_registry()
-    return [registry.platforms[n] for n in registry.names() if n in registry.platforms and registry.platforms[n].available]

@@ -10,10 +10,13 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import logging
 
 import torch
 
 DISTRIBUTION = "intel-extension-for-pytorch"
+
+logger = logging.getLogger(__name__)
 
 
 def _minor(version: str) -> tuple[str, ...]:
@@ -37,4 +40,10 @@ def ipex_status() -> tuple[bool, str]:
 def load_ipex():
     """The imported IPEX module when usable, else None. Imported lazily, on first use by a platform."""
     usable, _ = ipex_status()
-    return importlib.import_module("intel_extension_for_pytorch") if usable else None
+    if not usable:
+        return None
+    try:
+        return importlib.import_module("intel_extension_for_pytorch")
+    except (ImportError, OSError) as exc:  # e.g. a oneAPI runtime library missing despite matching versions
+        logger.warning("intel-extension-for-pytorch failed to import, running without it: %s", exc)
+        return None

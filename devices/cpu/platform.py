@@ -6,6 +6,7 @@ import platform as _host
 
 import torch
 
+from omnirun.devices.cpu.host_event import HostEvent
 from omnirun.devices.cpu.host_memory import host_memory_info, peak_rss, reset_peak_rss
 from omnirun.platform import Capabilities, Platform, ProbeResult
 
@@ -49,13 +50,10 @@ class CpuPlatform(Platform):
         torch.cpu.synchronize()
 
     def stream(self, index: int | None = None) -> torch.Stream:
-        return torch.cpu.Stream()
+        return torch.Stream("cpu")
 
-    def event(self, enable_timing: bool = False) -> torch.Event:
-        return torch.Event("cpu", enable_timing=enable_timing)
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+    def event(self, enable_timing: bool = False) -> HostEvent:
+        return HostEvent(enable_timing)
 
     def memory_info(self, index: int | None = None) -> tuple[int, int]:
         return host_memory_info()

@@ -1,1 +1,1 @@
-"""npu"""
+"""The Ascend NPU platform: torch_npu (imported lazily, never at `import omnirun`), hccl for collectives."""

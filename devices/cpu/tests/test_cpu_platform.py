@@ -1,0 +1,50 @@
+"""CpuPlatform facts and the parts it overrides from the generic Platform."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnirun.devices.cpu.platform import CpuPlatform
+from omnirun.platform import Platform
+from omnirun.registry import default_registry
+
+
+def test_registered_under_its_name_and_always_available():
+    platform = default_registry().get("cpu")
+    assert isinstance(platform, CpuPlatform)
+    assert platform.probe().available and platform.probe().device_count == 1
+    assert platform.distributed_backend == "gloo"
+    # auto must prefer any accelerator, plugins included (default priority), over the host CPU.
+    assert platform.auto_priority < Platform.auto_priority
+
+
+def test_device_is_plain_cpu_so_tensors_compare_equal():
+    platform = CpuPlatform()
+    assert platform.device() == platform.device(0) == torch.empty(1).device
+
+
+def test_capabilities():
+    caps = CpuPlatform().capabilities
+    assert caps.model_dtypes == (torch.float32, torch.bfloat16, torch.float16)
+    assert caps.kv_cache_dtypes[-2:] == (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert caps.bf16 and caps.fp8 and not caps.supports_triton and caps.graph_capture is None
+    assert caps.device_name
+
+
+def test_peak_memory_tracks_process_rss():
+    platform = CpuPlatform()
+    platform.reset_peak_memory()  # peak restarts from the current RSS
+    before = platform.peak_memory_allocated()
+    block = torch.ones(256 << 20, dtype=torch.uint8)  # touch 256 MiB
+    assert platform.peak_memory_allocated() >= before + 0.9 * block.numel()
+    del block
+    platform.reset_peak_memory()
+    assert platform.peak_memory_allocated() < before + 0.5 * (256 << 20)
+
+
+def test_set_device_rejects_other_indices():
+    platform = CpuPlatform()
+    platform.set_device(0)
+    with pytest.raises(ValueError, match="one device"):
+        platform.set_device(1)

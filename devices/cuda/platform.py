@@ -1,0 +1,57 @@
+"""The NVIDIA platform: torch.cuda for device control and memory, NCCL for collectives, CUDA graphs for decode."""
+
+from __future__ import annotations
+
+import torch
+
+from omnirun.devices.cuda.torch_gpu import gpu_model_dtypes, torch_gpu_build, triton_installed, visible_devices_note
+from omnirun.platform import Capabilities, Platform, ProbeResult
+
+# Compute capabilities (major, minor) where a feature starts.
+BF16_MIN_SM = (8, 0)  # Ampere: bf16 tensor cores; older GPUs only emulate bf16, slowly
+FP8_MIN_SM = (8, 9)  # Ada and Hopper: fp8 tensor cores
+TRITON_MIN_SM = (7, 5)  # Turing: the oldest GPUs current triton releases still compile for
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    torch_device_type = "cuda"
+    dispatch_key = "CUDA"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    distributed_backend = "nccl"
+    extra = "cuda"
+    vendor_packages = ("triton", "flashinfer-python")
+    auto_priority = 100
+
+    def _probe(self) -> ProbeResult:
+        build = torch_gpu_build()
+        if build == "rocm":
+            return ProbeResult.unavailable(
+                f"torch {torch.__version__} is a ROCm build, which drives AMD GPUs: use --device rocm"
+            )
+        if build is None:
+            return ProbeResult.unavailable(
+                f"torch {torch.__version__} has no CUDA support: install a CUDA build of torch, "
+                f"then {self.install_hint()}"
+            )
+        # device_count asks the driver (or NVML) and creates no CUDA context: torch.cuda stays uninitialised.
+        count = torch.cuda.device_count()
+        if count == 0:
+            return ProbeResult.unavailable(
+                f"no NVIDIA GPU is visible to torch {torch.__version__} (CUDA {torch.version.cuda}): "
+                "check the driver with nvidia-smi" + visible_devices_note(self.visible_devices_env)
+            )
+        return ProbeResult.ok(count)
+
+    def _capabilities(self) -> Capabilities:
+        index = self.current_device()
+        sm = tuple(torch.cuda.get_device_capability(index))
+        has_fp8 = sm >= FP8_MIN_SM
+        return Capabilities(
+            device_name=torch.cuda.get_device_name(index),
+            model_dtypes=gpu_model_dtypes(bf16=sm >= BF16_MIN_SM),
+            fp8_e4m3_dtype=torch.float8_e4m3fn if has_fp8 else None,
+            fp8_e5m2_dtype=torch.float8_e5m2 if has_fp8 else None,
+            supports_triton=triton_installed() and sm >= TRITON_MIN_SM,
+            graph_capture="cuda_graph",
+        )

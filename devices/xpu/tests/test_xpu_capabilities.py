@@ -1,0 +1,83 @@
+"""XpuPlatform capabilities, against a stubbed torch.xpu and look-alike triton installs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from omnirun.devices.xpu.platform import XpuPlatform
+from omnirun.errors import DeviceUnavailableError
+
+# A triton whose import would fail the test: the platform must only look at it on disk.
+IMPORT_TRAP = "raise AssertionError('omnirun imported triton while probing for it')\n"
+
+
+def test_bf16_device(fake_xpu) -> None:
+    fake_xpu.current = 1
+    caps = XpuPlatform().capabilities
+    assert caps.device_name == "Intel(R) Data Center GPU Max 1550"
+    assert caps.model_dtypes == (torch.bfloat16, torch.float16, torch.float32)
+    assert caps.bf16
+    assert fake_xpu.called("get_device_properties") == [(1,)]  # the current device, not device 0
+
+
+def test_device_without_native_bf16(fake_xpu) -> None:
+    fake_xpu.properties.name = "Intel(R) UHD Graphics 770"
+    fake_xpu.properties.has_bfloat16_conversions = False
+    caps = XpuPlatform().capabilities
+    assert caps.model_dtypes == (torch.float16, torch.float32)
+    assert not caps.bf16
+
+
+def test_fp8_is_the_ocp_flavour(fake_xpu) -> None:
+    caps = XpuPlatform().capabilities
+    assert caps.fp8
+    assert (caps.fp8_e4m3_dtype, caps.fp8_e5m2_dtype) == (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert caps.kv_cache_dtypes[-2:] == (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def test_xpu_graph_when_torch_has_it(monkeypatch: pytest.MonkeyPatch, fake_xpu) -> None:
+    monkeypatch.setattr(torch.xpu, "XPUGraph", type("XPUGraph", (), {}), raising=False)
+    assert XpuPlatform().capabilities.graph_capture == "xpu_graph"
+
+
+def test_eager_when_torch_predates_xpu_graph(monkeypatch: pytest.MonkeyPatch, fake_xpu) -> None:
+    monkeypatch.delattr(torch.xpu, "XPUGraph", raising=False)
+    assert XpuPlatform().capabilities.graph_capture is None
+
+
+def test_no_triton_installed(monkeypatch: pytest.MonkeyPatch, fake_xpu) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "triton" else real_find_spec(name, *args)
+    )
+    platform = XpuPlatform()
+    assert not platform.capabilities.supports_triton
+    assert platform.attention_backends() == ("torch_native",)
+
+
+def test_triton_with_intel_backend(monkeypatch: pytest.MonkeyPatch, tmp_path, fake_xpu, write_package) -> None:
+    write_package(tmp_path, "triton", "pytorch-triton-xpu", "3.6.0", init=IMPORT_TRAP, subdirs=("backends/intel",))
+    monkeypatch.syspath_prepend(tmp_path)
+    platform = XpuPlatform()
+    assert platform.capabilities.supports_triton
+    assert platform.attention_backends() == ("triton", "torch_native")
+    assert "triton" not in sys.modules
+
+
+def test_generic_triton_cannot_compile_for_xpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, fake_xpu, write_package
+) -> None:
+    write_package(tmp_path, "triton", "triton", "3.6.0", init=IMPORT_TRAP, subdirs=("backends/nvidia",))
+    monkeypatch.syspath_prepend(tmp_path)
+    assert not XpuPlatform().capabilities.supports_triton
+    assert "triton" not in sys.modules
+
+
+def test_capabilities_need_a_device(fake_xpu) -> None:
+    fake_xpu.count = 0
+    with pytest.raises(DeviceUnavailableError):
+        XpuPlatform().capabilities  # noqa: B018 - the property access is the call under test

@@ -1,0 +1,124 @@
+"""The platform contract every device must meet: `pytest tests/conformance --device <name>`.
+
+A vendor bringing up a device (in-tree or as a plugin) runs this suite on its hardware; each CI lane runs it on
+its own device. The `platform` fixture fails, rather than skips, when the lane's device is unavailable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from omnirun.distributed import init_process_group
+from omnirun.platform import Capabilities
+from omnirun.registry import default_registry
+
+MIB = 1 << 20
+
+
+def test_probe_is_available_and_stable(platform):
+    first, second = platform.probe(), platform.probe()
+    assert first.available and first.reason == ""
+    assert first == second
+    assert first.device_count >= 1 and platform.device_count() == first.device_count
+
+
+def test_identity(platform, device_name):
+    assert platform.name == device_name
+    assert default_registry().get(device_name) is platform
+    assert torch.device(platform.torch_device_type).type == platform.torch_device_type
+    assert platform.dispatch_key and platform.distributed_backend
+    assert platform.visible_devices_env is None or platform.visible_devices_env.isupper()
+
+
+def test_capabilities_record(platform):
+    caps = platform.capabilities
+    assert isinstance(caps, Capabilities) and platform.capabilities is caps  # computed once
+    assert caps.device_name
+    assert torch.float32 in caps.model_dtypes
+    assert all(isinstance(d, torch.dtype) and d.is_floating_point for d in caps.model_dtypes)
+    assert set(caps.model_dtypes) <= set(caps.kv_cache_dtypes)
+    for fp8 in (caps.fp8_e4m3_dtype, caps.fp8_e5m2_dtype):
+        assert fp8 is None or (fp8.itemsize == 1 and fp8.is_floating_point)
+
+
+def test_tensors_in_every_model_and_kv_dtype(platform):
+    ref = torch.linspace(-4, 4, 64)
+    for dtype in platform.capabilities.kv_cache_dtypes:
+        on_device = ref.to(platform.device(0)).to(dtype)
+        assert on_device.device.type == platform.torch_device_type and on_device.dtype == dtype
+        back = on_device.float().cpu()
+        # Round-trip within the dtype's own precision (fp8 keeps 2-3 mantissa bits).
+        assert torch.allclose(back, ref, rtol=0.25 if dtype.itemsize == 1 else 1e-2, atol=0.1)
+
+
+def test_device_control(platform):
+    platform.set_device(0)
+    assert platform.current_device() == 0
+    x = torch.ones(1024, device=platform.device())
+    assert x.device == platform.device(0)
+    platform.synchronize()
+    platform.synchronize(0)
+
+
+def test_stream_and_event(platform):
+    stream = platform.stream()
+    assert stream.device.type == platform.torch_device_type
+    start, end = platform.event(enable_timing=True), platform.event(enable_timing=True)
+    start.record()
+    torch.ones(1 << 16, device=platform.device()).sum()
+    end.record()
+    end.synchronize()
+    assert end.query()
+    assert start.elapsed_time(end) >= 0.0
+
+
+def test_manual_seed_is_reproducible(platform):
+    platform.manual_seed(1234)
+    a = torch.randn(256, device=platform.device())
+    platform.manual_seed(1234)
+    b = torch.randn(256, device=platform.device())
+    assert torch.equal(a, b)
+
+
+def test_memory_probe(platform):
+    free, total = platform.memory_info()
+    assert isinstance(free, int) and isinstance(total, int)
+    assert 0 < free <= total
+    assert platform.memory_info(0)[1] == total
+    platform.empty_cache()
+
+
+def test_peak_memory_grows_with_an_allocation(platform):
+    platform.synchronize()
+    platform.reset_peak_memory()
+    before = platform.peak_memory_allocated()
+    block = torch.ones(128 * MIB, dtype=torch.uint8, device=platform.device())
+    platform.synchronize()
+    assert platform.peak_memory_allocated() >= before + 0.9 * block.numel()
+
+
+def test_world_size_one_all_reduce(platform, tmp_path):
+    assert not dist.is_initialized()
+    init_process_group(platform, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        assert dist.get_backend() == platform.distributed_backend
+        x = torch.arange(8, dtype=torch.float32, device=platform.device())
+        dist.all_reduce(x)
+        platform.synchronize()
+        assert torch.equal(x.cpu(), torch.arange(8, dtype=torch.float32))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_attention_backends(platform, mode):
+    offered = platform.attention_backends()
+    assert "torch_native" in offered  # the reference backend runs on every device
+    assert platform.default_attention_backend(mode) in offered
+
+
+def test_factories_answer(platform):
+    assert isinstance(dict(platform.fused_ops()), dict)
+    assert all(callable(op) for op in platform.fused_ops().values())

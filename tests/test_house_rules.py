@@ -1,0 +1,47 @@
+"""Rules of the design that a test can hold: no vendor import at `import omnirun`, no device branches in common/."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+COMMON = Path(__file__).resolve().parents[1] / "common"
+VENDOR_MODULES = ["torch_npu", "intel_extension_for_pytorch", "flashinfer", "aiter", "triton", "sgl_kernel"]
+
+
+def _vendor_modules_imported_by(code: str) -> list[str]:
+    """Vendor modules that `code` imports beyond what `import torch` already brought (torch-npu autoloads)."""
+    script = (
+        "import sys, torch\n"
+        f"before = set(sys.modules)\n{code}\n"
+        f"print([m for m in {VENDOR_MODULES!r} if m in sys.modules and m not in before])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return ast.literal_eval(result.stdout)
+
+
+def test_import_and_discovery_import_no_vendor_package():
+    code = "import omnirun\nfrom omnirun.registry import default_registry\ndefault_registry()"
+    assert _vendor_modules_imported_by(code) == []
+
+
+def test_probing_imports_at_most_the_npu_stack():
+    # Probing runs before any device is chosen, so it must stay light: the cuda/rocm/xpu probes find triton,
+    # flashinfer, aiter and IPEX without importing them. Only torch_npu has to be imported to learn whether CANN
+    # is usable (and torch imports it by itself where it is installed).
+    code = "from omnirun.registry import default_registry\n[p.probe() for p in default_registry().platforms.values()]"
+    assert set(_vendor_modules_imported_by(code)) <= {"torch_npu"}
+
+
+def test_common_never_asks_which_device_it_is_on():
+    branch = re.compile(r"(device|device_type|platform\.name)[^=!\n]*[=!]= *['\"](cuda|npu|xpu|hip|rocm|musa|cpu)['\"]")
+    vendor = re.compile(r"^\s*(import|from) +(" + "|".join(VENDOR_MODULES) + r")\b", re.M)
+    offenders = []
+    for path in COMMON.rglob("*.py"):
+        text = path.read_text()
+        offenders += [f"{path.name}: {m.group(0)}" for m in branch.finditer(text)]
+        offenders += [f"{path.name}: {m.group(0).strip()}" for m in vendor.finditer(text)]
+    assert offenders == []

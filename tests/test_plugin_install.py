@@ -1,0 +1,135 @@
+"""An out-of-tree platform is a first-class citizen: pip-install a tiny plugin package, then select it by name.
+
+Each plugin is a real distribution, built and installed by pip into its own folder, found through the
+`omnirun.platforms` entry points of its metadata — exactly how a vendor's package would be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from omnirun.registry import default_registry
+
+REPO = Path(__file__).resolve().parents[1]
+
+TOY = """
+from omnirun.devices.cpu.platform import CpuPlatform
+
+
+class ToyPlatform(CpuPlatform):
+    \"\"\"A vendor device that happens to compute in host memory.\"\"\"
+
+    name = "toy"
+    extra = None
+    vendor_packages = ("omnirun-toy-plugin",)
+    auto_priority = 60
+"""
+
+BROKEN = """
+raise ImportError("libbroken.so: cannot open shared object file")
+"""
+
+
+def _pip_install_plugin(tmp: Path, dist: str, module: str, source: str, entry: str) -> Path:
+    """Build and install one plugin distribution into its own folder; returns the folder to put on PYTHONPATH."""
+    src = tmp / f"{dist}-src"
+    src.mkdir()
+    (src / f"{module}.py").write_text(textwrap.dedent(source))
+    (src / "pyproject.toml").write_text(
+        textwrap.dedent(f"""
+        [build-system]
+        requires = ["setuptools>=68"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "{dist}"
+        version = "0.1.0"
+
+        [project.entry-points."omnirun.platforms"]
+        {entry}
+
+        [tool.setuptools]
+        py-modules = ["{module}"]
+        """)
+    )
+    target = tmp / f"{dist}-site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(target), str(src)],
+        check=True,
+    )  # fmt: skip
+    return target
+
+
+@pytest.fixture(scope="module")
+def plugins(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("plugins")
+    return {
+        "toy": _pip_install_plugin(tmp, "omnirun-toy-plugin", "omnirun_toy", TOY, 'toy = "omnirun_toy:ToyPlatform"'),
+        "clone": _pip_install_plugin(
+            tmp, "omnirun-toy-clone", "omnirun_clone", TOY, 'toy = "omnirun_clone:ToyPlatform"'
+        ),
+        "broken": _pip_install_plugin(tmp, "omnirun-broken", "omnirun_broken", BROKEN, 'broken = "omnirun_broken:X"'),
+    }
+
+
+def run_with(sites: list[Path], *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "OMNIRUN_DEVICE"}
+    env["PYTHONPATH"] = os.pathsep.join(map(str, sites))
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_installed_plugin_is_listed_and_selected_by_name(plugins):
+    listed = run_with([plugins["toy"]], "-m", "omnirun.cli", "env", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = {row["name"]: row for row in json.loads(listed.stdout)["platforms"]}
+    assert rows["toy"]["status"] == "available"
+    assert rows["toy"]["packages"] == {"omnirun-toy-plugin": "0.1.0"}
+
+    chosen = run_with([plugins["toy"]], "-m", "omnirun.cli", "env", "--device", "toy", "--json")
+    assert chosen.returncode == 0, chosen.stderr
+    assert json.loads(chosen.stdout)["selected"] == "toy"
+
+
+def test_auto_prefers_the_plugin_over_cpu(plugins):
+    # The toy plugin (priority 60) outranks cpu; an available in-tree accelerator (a GPU lane) outranks it.
+    best_in_tree = max((p for p in default_registry().platforms.values() if p.available), key=lambda p: p.auto_priority)
+    expected = best_in_tree.name if best_in_tree.auto_priority > 60 else "toy"
+    listed = run_with([plugins["toy"]], "-m", "omnirun.cli", "env", "--json")
+    assert json.loads(listed.stdout)["selected"] == expected
+
+
+def test_conformance_suite_passes_on_the_plugin(plugins):
+    result = run_with(
+        [plugins["toy"]], "-m", "pytest", "tests/conformance", "--device", "toy", "-q", "-p", "no:cacheprovider"
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+def test_broken_plugin_is_loud_and_never_replaced_by_cpu(plugins):
+    table = run_with([plugins["broken"]], "-m", "omnirun.cli", "env")
+    assert table.returncode == 0, table.stderr
+    assert "broken: platform plugin 'broken' from omnirun-broken 0.1.0" in table.stdout
+    assert "ImportError: libbroken.so: cannot open shared object file" in table.stdout
+
+    auto = run_with([plugins["broken"]], "-m", "omnirun.cli", "env", "--device", "auto")
+    assert auto.returncode != 0
+    assert auto.stderr.count("\n") == 1 and "platform plugin 'broken'" in auto.stderr and "ImportError" in auto.stderr
+
+    cpu = run_with([plugins["broken"]], "-m", "omnirun.cli", "env", "--device", "cpu")
+    assert cpu.returncode == 0 and "platform plugin 'broken'" in cpu.stderr
+
+
+def test_two_plugins_claiming_one_name_is_an_error(plugins):
+    result = run_with([plugins["toy"], plugins["clone"]], "-m", "omnirun.cli", "env")
+    assert result.returncode != 0
+    assert "two packages register platform 'toy'" in result.stderr
+    assert "omnirun-toy-plugin 0.1.0" in result.stderr and "omnirun-toy-clone 0.1.0" in result.stderr

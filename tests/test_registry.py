@@ -1,0 +1,176 @@
+"""Discovery and selection rules of the platform registry, over hand-made entry points."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from omnirun.errors import (
+    DeviceUnavailableError,
+    DuplicatePlatformError,
+    OmnirunError,
+    PluginLoadError,
+    UnknownDeviceError,
+)
+from omnirun.platform import Platform, ProbeResult
+from omnirun.registry import DEVICE_ENV_VAR, PlatformRegistry
+
+
+def make_platform(name: str, available: bool = True, priority: int = 50, reason: str = "") -> type[Platform]:
+    class Fake(Platform):
+        torch_device_type = "cpu"
+        dispatch_key = "CPU"
+        distributed_backend = "gloo"
+        auto_priority = priority
+
+        def _probe(self) -> ProbeResult:
+            return ProbeResult.ok(1) if available else ProbeResult.unavailable(reason or f"{name} is switched off")
+
+    Fake.name = name
+    return Fake
+
+
+@dataclasses.dataclass
+class Dist:
+    name: str
+    version: str = "1.0"
+
+
+@dataclasses.dataclass
+class EntryPoint:
+    """What the registry reads of an importlib.metadata.EntryPoint."""
+
+    name: str
+    target: object
+    dist: Dist = dataclasses.field(default_factory=lambda: Dist("vendor-pkg"))
+
+    @property
+    def value(self) -> str:
+        return f"vendor_pkg.platform:{self.name}"
+
+    def load(self):
+        if isinstance(self.target, Exception):
+            raise self.target
+        return self.target
+
+
+def registry(*eps: EntryPoint) -> PlatformRegistry:
+    return PlatformRegistry.discover(eps)
+
+
+@pytest.fixture(autouse=True)
+def _no_device_env(monkeypatch):
+    monkeypatch.delenv(DEVICE_ENV_VAR, raising=False)
+
+
+def test_auto_picks_highest_priority_available_then_name():
+    reg = registry(
+        EntryPoint("cpu", make_platform("cpu", priority=0)),
+        EntryPoint("big", make_platform("big", available=False, priority=100)),
+        EntryPoint("beta", make_platform("beta", priority=80)),
+        EntryPoint("alpha", make_platform("alpha", priority=80)),
+    )
+    assert reg.names() == ["big", "alpha", "beta", "cpu"]
+    assert reg.select("auto").name == "alpha"
+    assert reg.select(None).name == "alpha"
+
+
+def test_explicit_unavailable_device_fails_with_probe_reason():
+    reg = registry(
+        EntryPoint("cpu", make_platform("cpu", priority=0)),
+        EntryPoint("npu", make_platform("npu", available=False, reason='torch_npu is missing: pip install "x[npu]"')),
+    )
+    with pytest.raises(DeviceUnavailableError) as err:
+        reg.select("npu")
+    assert str(err.value) == """device 'npu' is unavailable: torch_npu is missing: pip install "x[npu]\""""
+
+
+def test_env_var_selects_and_flag_beats_it(monkeypatch):
+    reg = registry(EntryPoint("cpu", make_platform("cpu", priority=0)), EntryPoint("gpu", make_platform("gpu")))
+    monkeypatch.setenv(DEVICE_ENV_VAR, "cpu")
+    assert reg.select(None).name == "cpu"
+    assert reg.select("gpu").name == "gpu"
+    monkeypatch.setenv(DEVICE_ENV_VAR, " GPU ")
+    assert reg.select(None).name == "gpu"
+
+
+def test_unknown_device_lists_the_choices():
+    reg = registry(EntryPoint("cpu", make_platform("cpu")))
+    with pytest.raises(UnknownDeviceError, match=r"unknown device 'tpu': choose one of cpu, auto"):
+        reg.select("tpu")
+
+
+def test_plugin_raising_on_load_is_reported_with_name_and_exception(caplog):
+    reg = registry(
+        EntryPoint("cpu", make_platform("cpu", priority=0)),
+        EntryPoint("acme", ImportError("libacme.so: cannot open shared object file"), Dist("acme-omnirun", "0.3")),
+    )
+    assert "acme" in reg.names() and "acme" not in reg.platforms
+    expected = (
+        "platform plugin 'acme' from acme-omnirun 0.3 (vendor_pkg.platform:acme) failed to load: "
+        "ImportError: libacme.so: cannot open shared object file"
+    )
+    with pytest.raises(PluginLoadError, match="^" + expected.replace("(", r"\(").replace(")", r"\)")):
+        reg.select("acme")
+    # auto must not fall back to cpu past a broken plugin ...
+    with pytest.raises(PluginLoadError, match="plugin 'acme'.*ImportError.*name a device with --device"):
+        reg.select("auto")
+    # ... while naming another device works, and says the plugin is broken.
+    with caplog.at_level(logging.WARNING):
+        assert reg.select("cpu").name == "cpu"
+    assert expected in caplog.text
+
+
+def test_entry_point_must_make_a_platform_of_its_own_name():
+    reg = registry(
+        EntryPoint("cpu", make_platform("cpu")),
+        EntryPoint("notaplatform", lambda: object()),
+        EntryPoint("misnamed", make_platform("other")),
+    )
+    assert set(reg.broken) == {"notaplatform", "misnamed"}
+    assert "not an omnirun.Platform" in reg.broken["notaplatform"].error
+    assert "names a platform called 'other'" in reg.broken["misnamed"].error
+
+
+def test_two_packages_claiming_one_name_is_an_error():
+    with pytest.raises(DuplicatePlatformError, match="'npu': vendor-a 1.0 .* and vendor-b 2.0 .*uninstall one"):
+        registry(
+            EntryPoint("npu", make_platform("npu"), Dist("vendor-a", "1.0")),
+            EntryPoint("npu", make_platform("npu"), Dist("vendor-b", "2.0")),
+        )
+
+
+def test_nothing_registered_says_to_install_the_package():
+    with pytest.raises(OmnirunError, match=r"pip install -e \."):
+        registry()
+
+
+def test_auto_with_nothing_available_gives_every_reason():
+    reg = registry(EntryPoint("a", make_platform("a", available=False, reason="no driver")))
+    with pytest.raises(DeviceUnavailableError, match=r"no platform is available \(a: no driver\)"):
+        reg.select("auto")
+
+
+def test_probe_never_raises_and_folds_multiline_reasons():
+    class Exploding(make_platform("boom")):
+        def _probe(self) -> ProbeResult:
+            raise RuntimeError("driver\nexploded")
+
+    class Chatty(make_platform("chatty")):
+        def _probe(self) -> ProbeResult:
+            return ProbeResult.unavailable("line one\n  line two")
+
+    assert Exploding().probe() == ProbeResult(False, "probing boom raised RuntimeError: driver exploded", 0)
+    assert Chatty().probe().reason == "line one line two"
+    with pytest.raises(DeviceUnavailableError):
+        _ = Exploding().capabilities
+
+
+def test_in_tree_platforms_all_register():
+    from omnirun.registry import default_registry
+
+    reg = default_registry()
+    assert {"cpu", "cuda", "rocm", "npu", "xpu"} <= set(reg.platforms), reg.broken
+    assert reg.names()[-1] == "cpu"
