@@ -6,6 +6,9 @@ its own device. The `platform` fixture fails, rather than skips, when the lane's
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +25,22 @@ def test_probe_is_available_and_stable(platform):
     assert first.available and first.reason == ""
     assert first == second
     assert first.device_count >= 1 and platform.device_count() == first.device_count
+
+
+def test_probe_does_not_initialise_the_device(platform, device_name):
+    # A fresh process, since this one may have initialised the device already.
+    code = (
+        "from omnirun.registry import get_platform\n"
+        f"platform = get_platform({device_name!r})\n"
+        "module = platform.device_module\n"
+        "before = module.is_initialized()\n"
+        "assert platform.probe().available\n"
+        "print(before, module.is_initialized())\n"
+    )
+    before, after = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert after == before  # (torch.cpu counts as initialised from the start)
 
 
 def test_identity(platform, device_name):
@@ -62,16 +81,20 @@ def test_device_control(platform):
     platform.synchronize(0)
 
 
-def test_stream_and_event(platform):
+def test_work_on_a_platform_stream_is_timed_by_events(platform):
+    x = torch.ones(256, 256, device=platform.device())
     stream = platform.stream()
     assert stream.device.type == platform.torch_device_type
+    platform.synchronize()  # x was written on the default stream
     start, end = platform.event(enable_timing=True), platform.event(enable_timing=True)
-    start.record()
-    torch.ones(1 << 16, device=platform.device()).sum()
-    end.record()
+    with stream:
+        start.record(stream)
+        y = x @ x
+        end.record(stream)
     end.synchronize()
     assert end.query()
     assert start.elapsed_time(end) >= 0.0
+    assert y[0, 0].item() == 256
 
 
 def test_manual_seed_is_reproducible(platform):
@@ -90,13 +113,18 @@ def test_memory_probe(platform):
     platform.empty_cache()
 
 
-def test_peak_memory_grows_with_an_allocation(platform):
+def test_peak_memory_grows_with_an_allocation_and_resets(platform):
     platform.synchronize()
     platform.reset_peak_memory()
     before = platform.peak_memory_allocated()
     block = torch.ones(128 * MIB, dtype=torch.uint8, device=platform.device())
     platform.synchronize()
-    assert platform.peak_memory_allocated() >= before + 0.9 * block.numel()
+    with_block = platform.peak_memory_allocated()
+    assert with_block >= before + 0.9 * block.numel()
+    del block
+    platform.empty_cache()
+    platform.reset_peak_memory()
+    assert platform.peak_memory_allocated() <= with_block - 0.5 * 128 * MIB
 
 
 def test_world_size_one_all_reduce(platform, tmp_path):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -21,33 +18,6 @@ def rocm() -> RocmPlatform:
     return RocmPlatform()
 
 
-def test_probe_finds_the_gpus_without_initialising_hip():
-    # A fresh process: this one has initialised the GPU already, or will.
-    code = (
-        "import torch\n"
-        "from omnirun.devices.rocm.platform import RocmPlatform\n"
-        "probe = RocmPlatform().probe()\n"
-        "print(probe.available, probe.device_count, torch.cuda.is_initialized())\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["True", str(torch.cuda.device_count()), "False"]
-
-
-def test_memory_info_reports_free_within_total(rocm: RocmPlatform):
-    free, total = rocm.memory_info()
-    assert 0 < free <= total
-
-
-def test_peak_memory_grows_with_an_allocation_and_resets(rocm: RocmPlatform):
-    rocm.reset_peak_memory()
-    before = rocm.peak_memory_allocated()
-    block = torch.empty(64 * MiB, dtype=torch.uint8, device=rocm.device())
-    assert rocm.peak_memory_allocated() >= before + 64 * MiB
-    del block
-    rocm.reset_peak_memory()
-    assert rocm.peak_memory_allocated() < before + 64 * MiB
-
-
 def test_capabilities_match_the_gpu(rocm: RocmPlatform):
     caps = rocm.capabilities
     gcn_arch_name = torch.cuda.get_device_properties(rocm.current_device()).gcnArchName
@@ -60,18 +30,3 @@ def test_capabilities_match_the_gpu(rocm: RocmPlatform):
         assert (ones.to(dtype) * 2).sum().item() == 32
     for dtype in caps.kv_cache_dtypes:
         assert torch.equal(ones.to(dtype).float(), ones)
-
-
-def test_events_time_work_on_a_platform_stream(rocm: RocmPlatform):
-    stream = rocm.stream()
-    start, end = rocm.event(enable_timing=True), rocm.event(enable_timing=True)
-    a = torch.randn(2048, 2048, device=rocm.device())
-    rocm.synchronize()
-    with torch.cuda.stream(stream):
-        start.record(stream)
-        b = a @ a
-        end.record(stream)
-    end.synchronize()
-    assert start.elapsed_time(end) > 0
-    rocm.synchronize()
-    assert b.shape == (2048, 2048)
