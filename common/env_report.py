@@ -85,7 +85,7 @@ def to_table(rows: list[PlatformRow], selected: str | None) -> str:
     body = [_cells(r) for r in rows]
     widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns[:-1])]
     lines = [" · ".join(f"{k} {v}" for k, v in header().items())]
-    lines.append(f"auto selects: {selected or 'nothing (see the reasons below)'}")
+    lines.append(f"auto selects: {selected or 'nothing (see STATUS)'}")
     lines.append("")
     for cells in [columns, *body]:
         # STATUS goes last and unpadded: a reason can be long.

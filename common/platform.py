@@ -84,7 +84,8 @@ class Platform:
 
     # --- availability ---
     def probe(self) -> ProbeResult:
-        """Available, or the reason it is not. Cheap, never initialises the device, never raises."""
+        """Available, or the reason it is not. Cheap, never raises, and never initialises torch's state for the
+        device: a driver may be asked to count devices, but no context is created and no memory is taken."""
         try:
             result = self._probe()
         except (Exception, SystemExit) as exc:  # a probe must answer, whatever the vendor stack does (some sys.exit)
@@ -111,7 +112,7 @@ class Platform:
     # --- capabilities ---
     @functools.cached_property
     def capabilities(self) -> Capabilities:
-        """Computed once, on first use; needs the device (it may initialise it)."""
+        """Of the current device (one device per process), computed once on first use; may initialise it."""
         self.require_available()
         return self._capabilities()
 

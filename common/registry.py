@@ -77,21 +77,23 @@ class PlatformRegistry:
         ranked = sorted(self.platforms.values(), key=lambda p: (-p.auto_priority, p.name))
         return [p.name for p in ranked] + sorted(self.broken)
 
-    def get(self, name: str) -> Platform:
+    def get(self, name: str, origin: str = "") -> Platform:
+        """The platform registered as `name`; `origin` says where the name came from, for the error."""
         if name in self.platforms:
             return self.platforms[name]
         if name in self.broken:
             raise PluginLoadError(self.broken[name].message())
         raise UnknownDeviceError(
-            f"unknown device '{name}': choose one of {', '.join(self.names() + [AUTO])}, "
+            f"unknown device '{name}'{origin}: choose one of {', '.join(self.names() + [AUTO])}, "
             "or install the plugin package that provides it"
         )
 
     def select(self, device: str | None = None) -> Platform:
         """The platform for --device (or OMNIRUN_DEVICE, or auto); raises with the reason if unusable."""
+        from_env = not device and bool(os.environ.get(DEVICE_ENV_VAR))
         requested = (device or os.environ.get(DEVICE_ENV_VAR) or AUTO).strip().lower()
         if requested != AUTO:
-            platform = self.get(requested)
+            platform = self.get(requested, origin=f" (from {DEVICE_ENV_VAR})" if from_env else "")
             platform.require_available()
             for plugin in self.broken.values():  # not in the way, but never silent
                 logger.warning(plugin.message())

@@ -102,6 +102,12 @@ def test_unknown_device_lists_the_choices():
         reg.select("tpu")
 
 
+def test_unknown_device_from_the_environment_says_so(monkeypatch):
+    monkeypatch.setenv(DEVICE_ENV_VAR, "tpu")
+    with pytest.raises(UnknownDeviceError, match=r"unknown device 'tpu' \(from OMNIRUN_DEVICE\): choose one of"):
+        registry(EntryPoint("cpu", make_platform("cpu"))).select(None)
+
+
 def test_plugin_raising_on_load_is_reported_with_name_and_exception(caplog):
     reg = registry(
         EntryPoint("cpu", make_platform("cpu", priority=0)),

@@ -27,7 +27,7 @@ class CpuPlatform(Platform):
     def _capabilities(self) -> Capabilities:
         return Capabilities(
             device_name=_cpu_model_name(),
-            model_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+            model_dtypes=_model_dtypes(),
             # torch stores and converts fp8 on the CPU; compute upcasts.
             fp8_e4m3_dtype=torch.float8_e4m3fn,
             fp8_e5m2_dtype=torch.float8_e5m2,
@@ -67,6 +67,13 @@ class CpuPlatform(Platform):
 
     def reset_peak_memory(self, index: int | None = None) -> None:
         reset_peak_rss()
+
+
+def _model_dtypes() -> tuple[torch.dtype, ...]:
+    """All three compute; bf16 comes first only where the cores compute it natively (AVX512-BF16 or AMX)."""
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return (torch.bfloat16, torch.float32, torch.float16)
+    return (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _cpu_model_name() -> str:

@@ -26,7 +26,9 @@ def test_device_is_plain_cpu_so_tensors_compare_equal():
 
 def test_capabilities():
     caps = CpuPlatform().capabilities
-    assert caps.model_dtypes == (torch.float32, torch.bfloat16, torch.float16)
+    assert set(caps.model_dtypes) == {torch.float32, torch.bfloat16, torch.float16}
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert caps.model_dtypes[0] == (torch.bfloat16 if native_bf16 else torch.float32)
     assert caps.kv_cache_dtypes[-2:] == (torch.float8_e4m3fn, torch.float8_e5m2)
     assert caps.bf16 and caps.fp8 and not caps.supports_triton and caps.graph_capture is None
     assert caps.device_name
