@@ -24,7 +24,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     from omnirun.registry import default_registry
 
     registry = default_registry()
-    if args.device is None and DEVICE_ENV_VAR not in os.environ:
+    if not (args.device or os.environ.get(DEVICE_ENV_VAR)):
         # Plain `omnirun env` reports everything, broken plugins included; say what auto would pick if it can.
         try:
             selected = registry.select("auto").name
