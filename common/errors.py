@@ -24,3 +24,27 @@ class PluginLoadError(OmnirunError):
 
 class DuplicatePlatformError(OmnirunError):
     """Two installed packages register a platform under the same name."""
+
+
+class ConfigError(OmnirunError):
+    """A runner flag has a bad value or flags contradict each other."""
+
+
+class ModelLoadError(OmnirunError):
+    """A model directory, config or checkpoint cannot be loaded."""
+
+
+class UnsupportedModelError(OmnirunError):
+    """The checkpoint's architecture (or one of its features) is not implemented."""
+
+
+class KVPoolTooSmallError(OmnirunError):
+    """The memory left for the KV cache cannot hold one request of the context length."""
+
+
+class SamplingParamsError(OmnirunError):
+    """A sampling parameter is out of range."""
+
+
+class WeightUpdateError(OmnirunError):
+    """A weight update was refused or failed; the previous weights are still in place."""
