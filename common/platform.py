@@ -81,6 +81,9 @@ class Platform:
     vendor_packages: ClassVar[tuple[str, ...]] = ()  # distributions whose versions `omnirun env` reports
     # --device auto picks the available platform with the highest priority (ties: by name).
     auto_priority: ClassVar[int] = 50
+    # Share of the device's total memory the runner may fill with weights + KV cache when the user names none:
+    # the rest is left for activations, graph pools and other processes.
+    default_mem_fraction_static: ClassVar[float] = 0.85
 
     # --- availability ---
     def probe(self) -> ProbeResult:
@@ -178,10 +181,19 @@ class Platform:
         return {}
 
     # --- attention ---
+    def attention_backend_factories(self) -> Mapping[str, Callable[..., Any]]:
+        """This device's own attention backends by name (flashinfer, aiter, ...): classes or callables taking an
+        `omnirun.attention.AttentionContext`. They join the portable backends in common/attention."""
+        return {}
+
     def attention_backends(self) -> tuple[str, ...]:
-        """Attention backends this device offers, best first. torch_native runs everywhere."""
-        backends = ("triton",) if self.capabilities.supports_triton else ()
-        return backends + ("torch_native",)
+        """Attention backends this device offers, best first: its own, then the portable ones it can run.
+        torch_native runs everywhere and comes last."""
+        from omnirun.attention.registry import portable_backends
+
+        own = tuple(self.attention_backend_factories())
+        portable = portable_backends(self.capabilities)
+        return own + tuple(name for name in portable if name not in own)
 
     def default_attention_backend(self, mode: AttentionMode) -> str:
         """The backend used for prefill or decode when the user names none."""

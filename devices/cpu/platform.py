@@ -20,6 +20,8 @@ class CpuPlatform(Platform):
     extra = "cpu"
     vendor_packages = ("intel-extension-for-pytorch",)
     auto_priority = 0  # the fallback: auto picks it only when no accelerator is available
+    # Host memory is shared with the OS and every other process: claim less of it than of an accelerator's.
+    default_mem_fraction_static = 0.4
 
     def _probe(self) -> ProbeResult:
         return ProbeResult.ok(1)

@@ -1,0 +1,37 @@
+"""Attention backends by name: the portable ones in common/, plus those a platform adds for its device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from omnirun.attention.backend import AttentionBackend, AttentionContext
+from omnirun.attention.torch_native import TorchNativeAttention
+from omnirun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omnirun.platform import Capabilities
+
+BackendFactory = Callable[[AttentionContext], AttentionBackend]
+
+# Portable backends (triton joins when its kernels land, offered where the capabilities say triton), best last.
+BUILTIN_BACKENDS: dict[str, BackendFactory] = {TorchNativeAttention.name: TorchNativeAttention}
+
+
+def portable_backends(capabilities: Capabilities) -> tuple[str, ...]:
+    """The portable backends a device with these capabilities can run, best first."""
+    return (TorchNativeAttention.name,)
+
+
+def attention_factories(platform_factories: Mapping[str, BackendFactory]) -> dict[str, BackendFactory]:
+    """The built-ins overlaid with the platform's own (a platform may also replace a built-in with a tuned one)."""
+    return {**BUILTIN_BACKENDS, **platform_factories}
+
+
+def choose_backend(requested: str | None, offered: tuple[str, ...], default: str, flag: str) -> str:
+    """The user's choice when the platform offers it, else the platform's default."""
+    if requested is None:
+        return default
+    if requested not in offered:
+        raise ConfigError(f"{flag} {requested!r} is not offered on this device: choose one of {', '.join(offered)}")
+    return requested

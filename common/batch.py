@@ -1,0 +1,101 @@
+"""What one forward pass computes: the ForwardBatch the scheduler hands the runner.
+
+A batch is EXTEND (prefill: each request appends one or more tokens, possibly after a prefix already in the KV
+cache, possibly one chunk of a longer prompt), DECODE (each request appends exactly one token) or IDLE (this rank
+has nothing to run but must still take part in collectives). Tensors the kernels read live on the device; their
+host copies (`*_cpu`) let backends plan without a device sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from omnirun.memory import KVMemory
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+    IDLE = "idle"
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64: the new tokens of every request, request after request
+    positions: torch.Tensor  # [num_tokens] int64: each token's position in its sequence
+    req_pool_indices: torch.Tensor  # [batch] int64: each request's row in the request-to-token table
+    seq_lens: torch.Tensor  # [batch] int32: tokens in the KV cache per request once this step has run
+    out_cache_loc: torch.Tensor  # [num_tokens] int64: KV slot each new token is written to
+    seq_lens_cpu: torch.Tensor  # host copy of seq_lens
+    extend_prefix_lens_cpu: torch.Tensor  # [batch] int32, host: tokens already cached before this step
+    extend_seq_lens_cpu: torch.Tensor  # [batch] int32, host: new tokens per request (all 1 in DECODE)
+    # Logits for every new token (prompt logprobs, tests) rather than only each request's last one.
+    return_full_logits: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens_cpu.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @classmethod
+    def idle(cls, device: torch.device) -> ForwardBatch:
+        empty_long = torch.empty(0, dtype=torch.int64, device=device)
+        empty_int = torch.empty(0, dtype=torch.int32)
+        return cls(
+            ForwardMode.IDLE,
+            empty_long,
+            empty_long,
+            empty_long,
+            empty_int.to(device),
+            empty_long,
+            empty_int,
+            empty_int,
+            empty_int,
+        )
+
+
+def build_batch(
+    kv: KVMemory,
+    rows: Sequence[int],
+    prefix_lens: Sequence[int],
+    new_token_ids: Sequence[Sequence[int]],
+    device: torch.device,
+    *,
+    return_full_logits: bool = False,
+) -> ForwardBatch | None:
+    """Allocate KV slots for each request's new tokens and describe the step; None when the pool is full.
+
+    Request i (KV row `rows[i]`, with `prefix_lens[i]` tokens already cached) appends `new_token_ids[i]`. The mode
+    is DECODE when every request appends exactly one token, else EXTEND.
+    """
+    extend_lens = [len(ids) for ids in new_token_ids]
+    if not rows or min(extend_lens) < 1:
+        raise ValueError("a batch needs at least one request and at least one new token per request")
+    ends = [start + n for start, n in zip(prefix_lens, extend_lens, strict=True)]
+    out_cache_loc = kv.alloc_tokens(rows, prefix_lens, ends)
+    if out_cache_loc is None:
+        return None
+    positions = torch.cat([torch.arange(start, end) for start, end in zip(prefix_lens, ends, strict=True)])
+    flat_ids = [token for ids in new_token_ids for token in ids]
+    seq_lens_cpu = torch.tensor(ends, dtype=torch.int32)
+    mode = ForwardMode.DECODE if max(extend_lens) == 1 and not return_full_logits else ForwardMode.EXTEND
+    return ForwardBatch(
+        mode=mode,
+        input_ids=torch.tensor(flat_ids, dtype=torch.int64).to(device, non_blocking=True),
+        positions=positions.to(device, non_blocking=True),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
+        out_cache_loc=out_cache_loc.to(device, non_blocking=True),
+        seq_lens_cpu=seq_lens_cpu,
+        extend_prefix_lens_cpu=torch.tensor(prefix_lens, dtype=torch.int32),
+        extend_seq_lens_cpu=torch.tensor(extend_lens, dtype=torch.int32),
+        return_full_logits=return_full_logits,
+    )

@@ -1,0 +1,59 @@
+"""Torch-native reference implementations of the ops a platform may replace with fused kernels.
+
+They follow HF transformers' Llama code op for op (same dtypes at each step), so that a model built on them
+matches HF to the last bit in bf16, and every fused kernel is checked against them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), with the statistic in float32 and the scale applied in the input dtype (as HF)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add of one block fused with the next block's norm."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dimension."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [tokens, heads*head_dim] and k [tokens, kv_heads*head_dim] by their positions (NeoX layout).
+
+    `cos_sin_cache` is float32 [max_positions, head_dim] holding cos of the head_dim/2 frequencies, then their sin.
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    # HF builds cos/sin for the full head as [f | f], casts them to the activation dtype, then rotates in it.
+    cos = torch.cat((cos, cos), dim=-1).to(q.dtype).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).to(q.dtype).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x = x.view(x.shape[0], -1, head_dim)
+        return ((x * cos) + (_rotate_half(x) * sin)).flatten(1)
+
+    return rotate(q), rotate(k)

@@ -1,0 +1,28 @@
+"""The op table the layers call: the platform's fused kernel where it offers one, else the torch-native reference."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from omnirun.layers import native_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable[..., Any] = native_ops.rms_norm
+    add_rms_norm: Callable[..., Any] = native_ops.add_rms_norm
+    silu_and_mul: Callable[..., Any] = native_ops.silu_and_mul
+    rotary_embedding: Callable[..., Any] = native_ops.rotary_embedding
+
+
+OP_NAMES = tuple(field.name for field in dataclasses.fields(Ops))
+
+
+def resolve_ops(fused: Mapping[str, Callable[..., Any]]) -> Ops:
+    """Overlay a platform's fused ops on the references; an op name we do not know is a bug in the platform."""
+    unknown = sorted(set(fused) - set(OP_NAMES))
+    if unknown:
+        raise ValueError(f"platform offers fused ops omnirun does not know: {unknown}; known: {list(OP_NAMES)}")
+    return Ops(**dict(fused))

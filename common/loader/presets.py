@@ -1,0 +1,182 @@
+"""Real model shapes for `--load-format dummy`: benchmark a model's shape without downloading its weights.
+
+The numbers are copied from each model's published `config.json` on the Hugging Face Hub.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+from omnirun.errors import ModelLoadError
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A transformers config class and the keyword arguments that give one published model's shape."""
+
+    config_class: type[PretrainedConfig]
+    kwargs: Mapping[str, Any]
+    description: str = ""
+
+    def build(self) -> PretrainedConfig:
+        """A fresh config object (configs are mutable, so never hand out a shared one, nor shared rope dicts)."""
+        return self.config_class(**copy.deepcopy(dict(self.kwargs)))
+
+
+def _preset(config_class: type[PretrainedConfig], description: str, **kwargs: Any) -> Preset:
+    return Preset(config_class, MappingProxyType(kwargs), description)
+
+
+_LLAMA_3_8B = dict(
+    architectures=["LlamaForCausalLM"],
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    dtype=torch.bfloat16,
+)
+
+PRESETS: Mapping[str, Preset] = MappingProxyType(
+    {
+        "llama-3-8b": _preset(LlamaConfig, "Meta-Llama-3-8B", **_LLAMA_3_8B),
+        "llama-3.1-8b": _preset(
+            LlamaConfig,
+            "Meta-Llama-3.1-8B",
+            **{
+                **_LLAMA_3_8B,
+                "max_position_embeddings": 131072,
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            },
+        ),
+        "qwen2.5-0.5b": _preset(
+            Qwen2Config,
+            "Qwen2.5-0.5B-Instruct",
+            architectures=["Qwen2ForCausalLM"],
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            bos_token_id=151643,
+            eos_token_id=151645,
+            dtype=torch.bfloat16,
+        ),
+        "qwen3-0.6b": _preset(
+            Qwen3Config,
+            "Qwen3-0.6B",
+            architectures=["Qwen3ForCausalLM"],
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True,
+            attention_bias=False,
+            use_sliding_window=False,
+            bos_token_id=151643,
+            eos_token_id=151645,
+            dtype=torch.bfloat16,
+        ),
+        "mistral-7b-v0.3": _preset(
+            MistralConfig,
+            "Mistral-7B-v0.3",
+            architectures=["MistralForCausalLM"],
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=32768,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            sliding_window=None,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            dtype=torch.bfloat16,
+        ),
+        # Tiny shapes for tests and smoke runs; float32 so results compare tightly against references on any device.
+        "tiny-llama": _preset(
+            LlamaConfig,
+            "tiny Llama for tests",
+            architectures=["LlamaForCausalLM"],
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            dtype=torch.float32,
+        ),
+        "tiny-qwen3": _preset(
+            Qwen3Config,
+            "tiny Qwen3 for tests (q/k norms, tied embeddings)",
+            architectures=["Qwen3ForCausalLM"],
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=512,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            dtype=torch.float32,
+        ),
+    }
+)
+
+
+def preset_names() -> list[str]:
+    """The names `--load-format dummy` accepts as a model, in a stable order."""
+    return list(PRESETS)
+
+
+def preset_config(name: str) -> PretrainedConfig:
+    """A fresh transformers config with the named preset's shape."""
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise ModelLoadError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return preset.build()

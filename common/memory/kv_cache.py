@@ -1,0 +1,80 @@
+"""The paged KV cache: per-layer K and V buffers indexed by slot."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _is_one_byte_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+class PagedKVCache:
+    """K and V of every token of every layer, in the storage dtype (which may be an fp8 flavour).
+
+    Slots 0..page_size-1 (page 0) are the padding page: zeroed here and never handed out, so kernels may point
+    padded entries at slot 0. The rest is left uninitialised, because zeroing a multi-GB pool costs start-up time.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        page_size: int = 1,
+    ):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_slots < page_size:
+            raise ValueError(f"num_slots ({num_slots}) must hold at least the padding page ({page_size} slots)")
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.page_size = page_size
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        for buf in self.k_buffers + self.v_buffers:
+            buf[:page_size].zero_()
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store `k`, `v` ([n, num_kv_heads, head_dim], model dtype) at `slots` of layer `layer_id`.
+
+        Values are cast to the storage dtype; fp8 stores with scale 1 (no clamping: values beyond the fp8 range
+        become inf/NaN, as a plain cast does).
+        """
+        if k.shape != v.shape or k.shape[1:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"k and v must be [n, {self.num_kv_heads}, {self.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        slots = slots.to(device=self.device, dtype=torch.int64, non_blocking=True)
+        k_buf, v_buf = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        if _is_one_byte_float(self.dtype):
+            # Indexed stores are not implemented for fp8 on every device; the byte view stores the same bits.
+            k_buf, v_buf, k, v = (t.view(torch.uint8) for t in (k_buf, v_buf, k, v))
+        k_buf[slots] = k
+        v_buf[slots] = v
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole K and V buffers of one layer, [num_slots, num_kv_heads, head_dim], in the storage dtype."""
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all K and V buffers."""
+        return self.num_slots * self.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take over all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

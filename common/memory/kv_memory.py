@@ -1,0 +1,167 @@
+"""The KV state of the runner: which pages and slots each running request owns.
+
+The scheduler drives it: `new_request()` when a request starts, `alloc_tokens()` before each forward pass for the
+tokens the pass will write, `release()` when the request finishes. Page lists are kept on the host, so computing
+slots never reads the device; the device sees one indexed write of the request-to-token table per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from omnirun.errors import ConfigError
+from omnirun.memory.kv_cache import PagedKVCache
+from omnirun.memory.page_allocator import PageAllocator
+from omnirun.memory.req_to_token import ReqToTokenPool
+
+
+class KVMemory:
+    """Pages, slots and request rows of the paged KV cache.
+
+    A request's token at position p lives in slot `page * page_size + p % page_size`, where `page` is the
+    request's (p // page_size)-th page.
+    """
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        req_to_token: ReqToTokenPool,
+        kv_cache: PagedKVCache,
+        page_size: int,
+    ):
+        if allocator.page_size != page_size:
+            raise ConfigError(f"PageAllocator has page_size {allocator.page_size}: build it with page_size={page_size}")
+        if kv_cache.page_size != page_size:
+            # The cache zeroes only its own idea of page 0; a bigger page would leave padding slots uninitialised.
+            raise ConfigError(f"PagedKVCache has page_size {kv_cache.page_size}: build it with page_size={page_size}")
+        needed_slots = (allocator.num_pages + 1) * page_size
+        if kv_cache.num_slots < needed_slots:
+            raise ConfigError(
+                f"PagedKVCache has {kv_cache.num_slots} slots but {allocator.num_pages} pages of {page_size} plus "
+                f"the padding page need {needed_slots}: build it with num_slots={needed_slots}"
+            )
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.kv_cache = kv_cache
+        self._page_size = page_size
+        # Per request row: its page ids in order (None: row not live) and how many tokens it holds.
+        self._pages: list[list[int] | None] = [None] * req_to_token.max_requests
+        self._num_tokens: list[int] = [0] * req_to_token.max_requests
+
+    @property
+    def page_size(self) -> int:
+        """Slots per page."""
+        return self._page_size
+
+    @property
+    def free_tokens(self) -> int:
+        """Slots in free pages (the tail of a request's last partial page is not counted)."""
+        return self.allocator.free_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        """Usable slots of the pool (the padding page excluded)."""
+        return self.allocator.num_pages * self._page_size
+
+    def new_request(self) -> int | None:
+        """A request row holding no tokens yet, or None when every row is taken."""
+        row = self.req_to_token.alloc()
+        if row is None:
+            return None
+        self._pages[row] = []
+        self._num_tokens[row] = 0
+        return row
+
+    def pages_of(self, row: int) -> list[int]:
+        """The page ids of a live request, in position order (a copy)."""
+        return list(self._live_pages(row))
+
+    def num_tokens_of(self, row: int) -> int:
+        """How many token slots a live request holds."""
+        self._live_pages(row)
+        return self._num_tokens[row]
+
+    def pages_needed(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> int:
+        """How many free pages `alloc_tokens(rows, starts, ends)` would take."""
+        return sum(self._new_page_counts(*self._check_batch(rows, starts, ends)))
+
+    def alloc_tokens(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> torch.Tensor | None:
+        """Slots for positions [starts[i], ends[i]) of each request, concatenated (an int64 CPU tensor).
+
+        starts[i] must be the number of tokens request i already holds. The tail of its last partial page is
+        filled first, then new pages. The slots are also written into `req_to_token.table`. All or nothing: None,
+        and nothing changed, when the free pages do not suffice.
+        """
+        rows, starts, ends = self._check_batch(rows, starts, ends)
+        counts = self._new_page_counts(rows, starts, ends)
+        new_pages = self.allocator.alloc(sum(counts))
+        if new_pages is None:
+            return None
+        new_pages_list = new_pages.tolist()
+        ps = self._page_size
+        # The pages each request's new positions fall in, concatenated over the batch.
+        batch_pages: list[int] = []
+        first_page_index: list[int] = []  # where request i's pages begin in batch_pages
+        taken = 0
+        for row, start, end, count in zip(rows, starts, ends, counts, strict=True):
+            pages = self._pages[row]
+            pages.extend(new_pages_list[taken : taken + count])
+            taken += count
+            self._num_tokens[row] = end
+            first_page_index.append(len(batch_pages))
+            if end > start:
+                batch_pages.extend(pages[start // ps : (end - 1) // ps + 1])
+
+        lengths = torch.tensor(ends, dtype=torch.int64) - torch.tensor(starts, dtype=torch.int64)
+        num_new = int(lengths.sum()) if lengths.numel() else 0
+        if num_new == 0:
+            return torch.empty(0, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        req = torch.repeat_interleave(torch.arange(len(rows)), lengths)  # request index of each new position
+        offsets = torch.cumsum(lengths, 0) - lengths  # first new position of each request in the batch
+        positions = torch.arange(num_new) - offsets[req] + starts_t[req]
+        page_index = torch.tensor(first_page_index, dtype=torch.int64)[req] + positions // ps - (starts_t // ps)[req]
+        slots = torch.tensor(batch_pages, dtype=torch.int64)[page_index] * ps + positions % ps
+
+        # One host-to-device copy and one indexed write for the whole batch.
+        index = torch.stack([torch.tensor(rows, dtype=torch.int64)[req], positions, slots])
+        index = index.to(self.req_to_token.device, non_blocking=True)
+        self.req_to_token.table[index[0], index[1]] = index[2].to(torch.int32)
+        return slots
+
+    def release(self, row: int) -> None:
+        """Free every page of a request and its row."""
+        pages = self._live_pages(row)
+        self.allocator.free(pages)
+        self._pages[row] = None
+        self._num_tokens[row] = 0
+        self.req_to_token.free(row)
+
+    def _live_pages(self, row: int) -> list[int]:
+        pages = self._pages[row] if 0 <= row < len(self._pages) else None
+        if pages is None:
+            raise ValueError(f"request row {row} is not live: get one from new_request()")
+        return pages
+
+    def _check_batch(
+        self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]
+    ) -> tuple[list[int], list[int], list[int]]:
+        rows, starts, ends = [int(r) for r in rows], [int(s) for s in starts], [int(e) for e in ends]
+        if not len(rows) == len(starts) == len(ends):
+            raise ValueError(f"rows, starts and ends differ in length: {len(rows)}, {len(starts)}, {len(ends)}")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"a request row appears twice in one batch: {rows}")
+        max_len = self.req_to_token.max_context_len
+        for row, start, end in zip(rows, starts, ends, strict=True):
+            self._live_pages(row)
+            if start != self._num_tokens[row]:
+                raise ValueError(f"request row {row} holds {self._num_tokens[row]} tokens, but start is {start}")
+            if not start <= end <= max_len:
+                raise ValueError(f"request row {row}: end {end} must be in [{start}, {max_len}] (the context length)")
+        return rows, starts, ends
+
+    def _new_page_counts(self, rows: list[int], starts: list[int], ends: list[int]) -> list[int]:
+        ps = self._page_size
+        return [max(0, -(-end // ps) - len(self._pages[row])) for row, end in zip(rows, ends, strict=True)]

@@ -1,0 +1,137 @@
+"""How many KV-cache pages fit in device memory: pure arithmetic on the platform's memory probe."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from omnirun.errors import ConfigError, KVPoolTooSmallError
+
+_REQ_TO_TOKEN_ENTRY_BYTES = 4  # the request-to-token table is int32
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPoolPlan:
+    """The KV pool to build: `num_pages` usable pages (ids 1..num_pages) plus the padding page 0."""
+
+    num_pages: int
+    page_size: int
+    num_tokens: int  # usable slots: num_pages * page_size
+    max_running_requests: int
+    req_to_token_bytes: int
+    kv_bytes: int  # K and V buffers of all layers, the padding page included
+    explanation: str  # one line for the log
+
+
+def _size(n: float) -> str:
+    """Bytes in GiB, or MiB below 1 GiB, for humans."""
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _validate(
+    free_bytes: int,
+    total_bytes: int,
+    mem_fraction_static: float,
+    bytes_per_token: int,
+    page_size: int,
+    context_length: int,
+    max_running_requests: int,
+    max_total_tokens: int | None,
+    reserved_bytes: int,
+) -> None:
+    if not 0 < mem_fraction_static <= 1:
+        raise ConfigError(f"--mem-fraction-static {mem_fraction_static} is out of range: use a value in (0, 1]")
+    if page_size < 1:
+        raise ConfigError(f"--page-size {page_size} is invalid: use a page size >= 1")
+    if context_length < 1:
+        raise ConfigError(f"--context-length {context_length} is invalid: use a length >= 1")
+    if max_running_requests < 1:
+        raise ConfigError(f"--max-running-requests {max_running_requests} is invalid: use a value >= 1")
+    if max_total_tokens is not None and max_total_tokens < 1:
+        raise ConfigError(f"--max-total-tokens {max_total_tokens} is invalid: use a value >= 1 or leave it unset")
+    if bytes_per_token < 1:
+        raise ConfigError(f"bytes_per_token {bytes_per_token} is invalid: the KV cache needs >= 1 byte per token")
+    if reserved_bytes < 0:
+        raise ConfigError(f"reserved_bytes {reserved_bytes} is invalid: reserve >= 0 bytes")
+    if total_bytes < 1 or not 0 <= free_bytes <= total_bytes:
+        raise ConfigError(
+            f"device memory probe gave free={free_bytes} total={total_bytes} bytes: the platform's memory_info() "
+            "must return 0 <= free <= total, total > 0"
+        )
+
+
+def plan_kv_pool(
+    *,
+    free_bytes: int,
+    total_bytes: int,
+    mem_fraction_static: float,
+    bytes_per_token: int,
+    page_size: int,
+    context_length: int,
+    max_running_requests: int,
+    max_total_tokens: int | None = None,
+    reserved_bytes: int = 0,
+) -> KVPoolPlan:
+    """Size the KV pool from the memory left after the weights are loaded (SGLang's arithmetic).
+
+    The static share of the device, `total_bytes * mem_fraction_static`, holds the weights and the KV cache; the
+    weights are already loaded (they are no longer in `free_bytes`), so the KV budget is what is free minus the
+    non-static share, minus `reserved_bytes` (e.g. graph memory), minus the request-to-token table. The budget
+    also pays for the padding page 0, so the buffers actually allocated never exceed it.
+    """
+    _validate(
+        free_bytes,
+        total_bytes,
+        mem_fraction_static,
+        bytes_per_token,
+        page_size,
+        context_length,
+        max_running_requests,
+        max_total_tokens,
+        reserved_bytes,
+    )
+    req_to_token_bytes = max_running_requests * context_length * _REQ_TO_TOKEN_ENTRY_BYTES
+    non_static = total_bytes * (1 - mem_fraction_static)
+    budget = int(free_bytes - non_static - reserved_bytes - req_to_token_bytes)
+    fit_tokens = max(budget, 0) // bytes_per_token
+    fit_pages = max(fit_tokens // page_size - 1, 0)  # one page of the budget goes to the padding page
+
+    num_pages = fit_pages
+    cap_note = ""
+    if max_total_tokens is not None:
+        cap_pages = max_total_tokens // page_size
+        if cap_pages <= fit_pages:
+            num_pages = cap_pages
+            cap_note = f"; capped by --max-total-tokens {max_total_tokens}"
+        else:
+            cap_note = f"; --max-total-tokens {max_total_tokens} does not fit, using what fits"
+    num_tokens = num_pages * page_size
+
+    explanation = (
+        f"KV pool: free {_size(free_bytes)} - total {_size(total_bytes)} x (1 - mem_fraction_static "
+        f"{mem_fraction_static:g}) - reserved {_size(reserved_bytes)} - req_to_token {_size(req_to_token_bytes)} "
+        f"({max_running_requests} x {context_length} x 4 B) = budget {_size(budget)}; "
+        f"{bytes_per_token} B/token -> {fit_tokens} tokens = {fit_pages} pages of {page_size} + 1 padding page"
+        f"{cap_note}; pool {num_tokens} tokens in {num_pages} pages"
+    )
+
+    if num_tokens < context_length:
+        fixes = f"raise --mem-fraction-static (now {mem_fraction_static:g}), lower --context-length"
+        if max_total_tokens is not None and num_pages < fit_pages:
+            fixes = f"raise --max-total-tokens (now {max_total_tokens}), " + fixes
+        raise KVPoolTooSmallError(
+            f"the KV pool holds {num_tokens} tokens, fewer than --context-length {context_length} "
+            f"(budget {_size(budget)} at {bytes_per_token} B/token): {fixes}"
+        )
+
+    kv_bytes = (num_pages + 1) * page_size * bytes_per_token
+    return KVPoolPlan(
+        num_pages=num_pages,
+        page_size=page_size,
+        num_tokens=num_tokens,
+        max_running_requests=max_running_requests,
+        req_to_token_bytes=req_to_token_bytes,
+        kv_bytes=kv_bytes,
+        explanation=explanation,
+    )

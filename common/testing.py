@@ -1,0 +1,136 @@
+"""Helpers for checking omnirun against HF transformers: tiny random configs of every supported architecture,
+and a greedy driver that runs prompts step by step through a ModelRunner (the runner-level reference).
+
+Used by the conformance suite that every lane (and every out-of-tree platform) runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from omnirun.batch import build_batch
+from omnirun.config import RunnerConfig
+from omnirun.platform import Platform
+from omnirun.runner import ModelRunner
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def tiny_configs() -> dict[str, object]:
+    """One config per supported architecture, each exercising what sets it apart from plain Llama."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    llama3_rope = dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
+    return {
+        # llama3 rope scaling, GQA
+        "llama": LlamaConfig(**_COMMON, rope_parameters=llama3_rope, architectures=["LlamaForCausalLM"]),
+        # qkv bias; the second layer slides (window 16), the first does not
+        "qwen2": Qwen2Config(
+            **_COMMON,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=1,
+            architectures=["Qwen2ForCausalLM"],
+        ),
+        # q/k norm, explicit head_dim != hidden/heads, tied embeddings
+        "qwen3": Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"]),
+        # sliding window on every layer
+        "mistral": MistralConfig(**_COMMON, sliding_window=16, architectures=["MistralForCausalLM"]),
+    }
+
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_hf_model(arch: str, seed: int = 1234, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A random HF model of the tiny config for `arch` (one of ARCHITECTURES)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_configs()[arch], dtype=dtype).eval()
+
+
+def make_runner(platform: Platform, model: Path | str, **flags) -> ModelRunner:
+    """A runner on `platform` with a small KV pool, float32 and no progress bars unless overridden."""
+    flags = {"max_total_tokens": 4096, "progress": False, "dtype": "float32", **flags}
+    return ModelRunner(RunnerConfig(model=str(model), device=platform.name, **flags), platform=platform)
+
+
+def greedy_generate(
+    runner: ModelRunner,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    chunk_size: int | None = None,
+) -> list[list[int]]:
+    """Greedy tokens for a batch of prompts driven step by step through the runner (prefill, then decode).
+
+    With `chunk_size`, prompts are prefilled in chunks of that many tokens (each chunk attends to the cached
+    earlier ones). Rows are released at the end, so the pool is as it was before.
+    """
+    kv = runner.kv
+    rows = [kv.new_request() for _ in prompts]
+    try:
+        cached = [0] * len(prompts)
+        chunk = chunk_size or max(len(p) for p in prompts)
+        logits = None
+        while any(c < len(p) for c, p in zip(cached, prompts, strict=True)):
+            step = [i for i, p in enumerate(prompts) if cached[i] < len(p)]
+            new = [list(prompts[i][cached[i] : cached[i] + chunk]) for i in step]
+            batch = build_batch(kv, [rows[i] for i in step], [cached[i] for i in step], new, runner.device)
+            assert batch is not None, "the test pool should hold every prompt"
+            step_logits = runner.forward(batch)
+            if logits is None:
+                logits = torch.empty(len(prompts), step_logits.shape[-1], dtype=step_logits.dtype, device=runner.device)
+            logits[step] = step_logits
+            for i, ids in zip(step, new, strict=True):
+                cached[i] += len(ids)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        while True:
+            tokens = logits.argmax(-1).tolist()
+            for out, token in zip(outputs, tokens, strict=True):
+                out.append(token)
+            if len(outputs[0]) == max_new_tokens:
+                break
+            batch = build_batch(kv, rows, cached, [[t] for t in tokens], runner.device)
+            assert batch is not None
+            logits = runner.forward(batch)
+            cached = [c + 1 for c in cached]
+        return outputs
+    finally:
+        for row in rows:
+            kv.release(row)
+
+
+def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([list(prompt)], device=next(hf_model.parameters()).device)
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, ids.shape[1] :].tolist()

@@ -1,0 +1,213 @@
+"""plan_kv_pool arithmetic and resolve_kv_cache_dtype, on hand-computed numbers and hand-built Capabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnirun.errors import ConfigError, KVPoolTooSmallError
+from omnirun.memory import plan_kv_pool, resolve_kv_cache_dtype
+from omnirun.platform import Capabilities
+
+GiB = 2**30
+LLAMA8B_BPT = 131072  # 32 layers x 8 KV heads x 128 x 2 bytes x (K and V)
+
+
+def plan(**overrides):
+    args = dict(
+        free_bytes=60 * GiB,
+        total_bytes=80 * GiB,
+        mem_fraction_static=0.75,
+        bytes_per_token=LLAMA8B_BPT,
+        page_size=16,
+        context_length=4096,
+        max_running_requests=8,
+        reserved_bytes=1 * GiB,
+    )
+    args.update(overrides)
+    return plan_kv_pool(**args)
+
+
+def test_arithmetic_on_hand_computed_numbers():
+    p = plan()
+    # req_to_token: 8 requests x 4096 positions x 4 bytes = 131072 bytes.
+    assert p.req_to_token_bytes == 131072
+    # budget = 60 GiB - 80 GiB x 0.25 - 1 GiB - 131072 = 39 GiB - 131072 bytes = 41875800064 bytes
+    # -> 41875800064 // 131072 = 319487 tokens -> 19967 whole pages of 16, one of them the padding page.
+    assert p.num_pages == 19966
+    assert p.num_tokens == 19966 * 16 == 319456
+    assert p.page_size == 16 and p.max_running_requests == 8
+    assert p.kv_bytes == 19967 * 16 * LLAMA8B_BPT
+    assert p.kv_bytes <= 39 * GiB - 131072, "the buffers, padding page included, stay within the budget"
+
+
+def test_page_size_one_and_rounding_down_to_pages():
+    # budget = 10 GiB - 16 GiB x 0.5 - 0 - (1 x 100 x 4) = 2 GiB - 400 bytes; 1000 bytes per token.
+    budget = 2 * GiB - 400
+    p1 = plan(
+        free_bytes=10 * GiB,
+        total_bytes=16 * GiB,
+        mem_fraction_static=0.5,
+        bytes_per_token=1000,
+        page_size=1,
+        context_length=100,
+        max_running_requests=1,
+        reserved_bytes=0,
+    )
+    assert p1.num_tokens == budget // 1000 - 1 == 2147482
+    p64 = plan(
+        free_bytes=10 * GiB,
+        total_bytes=16 * GiB,
+        mem_fraction_static=0.5,
+        bytes_per_token=1000,
+        page_size=64,
+        context_length=100,
+        max_running_requests=1,
+        reserved_bytes=0,
+    )
+    assert p64.num_pages == (budget // 1000) // 64 - 1 == 33553
+    assert p64.num_tokens == 33553 * 64
+
+
+def test_fraction_one_gives_all_free_memory():
+    p = plan(
+        free_bytes=4 * GiB,
+        mem_fraction_static=1.0,
+        bytes_per_token=1024,
+        page_size=1,
+        reserved_bytes=0,
+        max_running_requests=1,
+        context_length=1024,
+    )
+    assert p.num_tokens == (4 * GiB - 4096) // 1024 - 1
+
+
+def test_max_total_tokens_caps_the_pool():
+    p = plan(max_total_tokens=100_000)
+    assert p.num_pages == 100_000 // 16 == 6250
+    assert p.num_tokens == 100_000
+    assert "capped by --max-total-tokens 100000" in p.explanation
+
+
+def test_max_total_tokens_beyond_what_fits_uses_what_fits():
+    p = plan(max_total_tokens=10**9)
+    assert p.num_pages == 19966
+    assert "does not fit, using what fits" in p.explanation
+
+
+def test_explanation_is_one_line_with_the_numbers():
+    text = plan().explanation
+    assert "\n" not in text
+    for part in ("60.00 GiB", "80.00 GiB", "0.75", "1.00 GiB", "0.12 MiB", "131072 B/token", "319487 tokens"):
+        assert part in text
+    assert "19966 pages" in text or "19967 pages" in text
+
+
+def test_too_small_names_the_fix():
+    # budget = 21 GiB - 80 GiB x 0.25 - 1 GiB - 131072 < 0: nothing fits.
+    with pytest.raises(KVPoolTooSmallError) as info:
+        plan(free_bytes=21 * GiB)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "holds 0 tokens" in msg and "--context-length 4096" in msg
+    assert "raise --mem-fraction-static (now 0.75), lower --context-length" in msg
+    assert "--max-total-tokens" not in msg
+
+
+def test_just_too_small_and_just_enough():
+    # A budget of exactly 4096 + 16 tokens holds one request of 4096 tokens plus the padding page.
+    req_bytes = 8 * 4096 * 4
+    enough = 20 * GiB + 1 * GiB + req_bytes + (4096 + 16) * LLAMA8B_BPT
+    assert plan(free_bytes=enough).num_tokens == 4096
+    with pytest.raises(KVPoolTooSmallError, match="holds 4080 tokens"):
+        plan(free_bytes=enough - 1)
+
+
+def test_too_small_because_of_the_cap_says_raise_the_cap():
+    with pytest.raises(KVPoolTooSmallError, match=r"raise --max-total-tokens \(now 2000\), raise --mem-fraction"):
+        plan(max_total_tokens=2000)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "flag"),
+    [
+        ({"mem_fraction_static": 0.0}, "--mem-fraction-static"),
+        ({"mem_fraction_static": 1.5}, "--mem-fraction-static"),
+        ({"mem_fraction_static": float("nan")}, "--mem-fraction-static"),
+        ({"page_size": 0}, "--page-size"),
+        ({"context_length": 0}, "--context-length"),
+        ({"max_running_requests": 0}, "--max-running-requests"),
+        ({"max_total_tokens": 0}, "--max-total-tokens"),
+        ({"bytes_per_token": 0}, "bytes_per_token"),
+        ({"reserved_bytes": -1}, "reserved_bytes"),
+        ({"free_bytes": 81 * GiB}, "memory_info"),
+    ],
+)
+def test_bad_inputs_are_config_errors(overrides, flag):
+    with pytest.raises(ConfigError, match=flag):
+        plan(**overrides)
+
+
+# --- resolve_kv_cache_dtype ---
+
+
+def caps(fp8: str | None) -> Capabilities:
+    e4m3, e5m2 = {
+        None: (None, None),
+        "fn": (torch.float8_e4m3fn, torch.float8_e5m2),
+        "fnuz": (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz),
+    }[fp8]
+    return Capabilities(
+        device_name=f"TestGPU-{fp8}",
+        model_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+        fp8_e4m3_dtype=e4m3,
+        fp8_e5m2_dtype=e5m2,
+        supports_triton=False,
+        graph_capture=None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("auto", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("float16", torch.float16),
+        ("fp32", torch.float32),
+        ("float32", torch.float32),
+        ("FP8_E4M3", torch.float8_e4m3fn),
+        ("fp8_e5m2", torch.float8_e5m2),
+    ],
+)
+def test_names_resolve(name, expected):
+    assert resolve_kv_cache_dtype(name, torch.bfloat16, caps("fn")) == expected
+
+
+def test_auto_is_the_model_dtype():
+    assert resolve_kv_cache_dtype("auto", torch.float16, caps(None)) == torch.float16
+
+
+def test_fp8_follows_the_platform_flavour():
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, caps("fnuz")) == torch.float8_e4m3fnuz
+    assert resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16, caps("fnuz")) == torch.float8_e5m2fnuz
+
+
+def test_fp8_without_fp8_names_the_valid_choices():
+    with pytest.raises(ConfigError) as info:
+        resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, caps(None))
+    assert str(info.value) == (
+        "--kv-cache-dtype fp8_e4m3 is not supported on TestGPU-None: choose one of auto, bf16, fp16, fp32"
+    )
+
+
+def test_unsupported_model_dtype_in_auto_and_unknown_names():
+    no_bf16 = Capabilities("OldGPU", (torch.float16, torch.float32), None, None, False, None)
+    with pytest.raises(ConfigError, match=r"auto \(model dtype torch.bfloat16\) is not supported on OldGPU"):
+        resolve_kv_cache_dtype("auto", torch.bfloat16, no_bf16)
+    with pytest.raises(ConfigError, match="not supported on OldGPU: choose one of fp16, fp32$"):
+        resolve_kv_cache_dtype("bf16", torch.bfloat16, no_bf16)
+    all_choices = "auto, bf16, fp16, fp32, fp8_e4m3, fp8_e5m2"
+    with pytest.raises(ConfigError, match=f"'int4' is unknown: choose one of {all_choices}"):
+        resolve_kv_cache_dtype("int4", torch.bfloat16, caps("fn"))
