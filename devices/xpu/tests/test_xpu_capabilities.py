@@ -64,7 +64,8 @@ def test_triton_with_intel_backend(monkeypatch: pytest.MonkeyPatch, tmp_path, fa
     monkeypatch.syspath_prepend(tmp_path)
     platform = XpuPlatform()
     assert platform.capabilities.supports_triton
-    assert platform.attention_backends() == ("triton", "torch_native")
+    # Listing the backends (triton's joins when its kernels land) must not import triton either.
+    assert platform.attention_backends()[-1] == "torch_native"
     assert "triton" not in sys.modules
 
 
