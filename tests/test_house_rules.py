@@ -45,3 +45,28 @@ def test_common_never_asks_which_device_it_is_on():
         offenders += [f"{path.name}: {m.group(0)}" for m in branch.finditer(text)]
         offenders += [f"{path.name}: {m.group(0).strip()}" for m in vendor.finditer(text)]
     assert offenders == []
+
+
+def test_building_a_runner_imports_no_vendor_package_on_cpu():
+    code = (
+        "import omnirun.runner, omnirun.testing\n"
+        "from omnirun.registry import get_platform\n"
+        "r = omnirun.testing.make_runner(get_platform('cpu'), 'tiny-llama', load_format='dummy')\n"
+        "omnirun.testing.greedy_generate(r, [[1, 2, 3]], 2)"
+    )
+    assert _vendor_modules_imported_by(code) == []
+
+
+def test_every_package_is_listed_for_installation():
+    """pyproject lists packages explicitly (package-dir mapping): a new folder left out would vanish from wheels."""
+    import tomllib
+
+    root = COMMON.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, name in ((COMMON, "omnirun"), (root / "devices", "omnirun.devices")):
+        for init in top.rglob("__init__.py"):
+            parts = init.parent.relative_to(top).parts
+            if "tests" not in parts:
+                found.add(".".join((name, *parts)))
+    assert found == listed
