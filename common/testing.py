@@ -134,3 +134,15 @@ def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int) -> list[int]
         pad_token_id=0,
     )
     return out[0, ids.shape[1] :].tolist()
+
+
+def greedy_gap(hf_model, prompt: Sequence[int], tokens: Sequence[int]) -> tuple[float, float]:
+    """Teacher-forced check of greedy tokens against HF: (largest gap between HF's best logit and its logit for the
+    token chosen, over every step; largest |logit|). A gap of 0 means HF would have chosen every token itself; in
+    bf16 a small gap marks a near-tie that rounding decided differently, not a wrong token."""
+    device = next(hf_model.parameters()).device
+    ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=device)
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(prompt) - 1 :].float()
+    chosen = logits.gather(-1, torch.tensor(list(tokens), device=device)[:, None])[:, 0]
+    return float((logits.max(-1).values - chosen).max()), float(logits.abs().max())

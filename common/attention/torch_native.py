@@ -11,9 +11,19 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omnirun.attention.backend import AttentionBackend, AttentionLayerSpec
 from omnirun.batch import ForwardBatch, ForwardMode
+
+# Every SDPA implementation but cuDNN's: it builds an execution plan for each new shape (milliseconds each), and
+# the shapes here change every step (prefix lengths, the longest sequence of a decode batch).
+_SDPA_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.OVERRIDEABLE,  # PrivateUse1 devices register their fused attention here
+    SDPBackend.MATH,
+]
 
 
 @dataclasses.dataclass
@@ -66,9 +76,10 @@ class TorchNativeAttention(AttentionBackend):
             k_req = k_cache[req.slots].to(q.dtype).transpose(0, 1)
             v_req = v_cache[req.slots].to(q.dtype).transpose(0, 1)
             mask = _extend_mask(req, layer.sliding_window, q.device)
-            o = F.scaled_dot_product_attention(
-                q_req, k_req, v_req, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True
-            )
+            with sdpa_kernel(_SDPA_BACKENDS):
+                o = F.scaled_dot_product_attention(
+                    q_req, k_req, v_req, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=True
+                )
             out[tokens] = o.transpose(0, 1).reshape(req.extend_len, -1)
         return out
 
@@ -81,9 +92,10 @@ class TorchNativeAttention(AttentionBackend):
         q_b = q.view(-1, layer.num_heads, 1, layer.head_dim)
         k_b = k_cache[meta.slots].to(q.dtype).permute(0, 2, 1, 3)  # [batch, kv_heads, max_len, head_dim]
         v_b = v_cache[meta.slots].to(q.dtype).permute(0, 2, 1, 3)
-        o = F.scaled_dot_product_attention(
-            q_b, k_b, v_b, attn_mask=self._decode_mask(layer.sliding_window), scale=layer.scaling, enable_gqa=True
-        )
+        with sdpa_kernel(_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(
+                q_b, k_b, v_b, attn_mask=self._decode_mask(layer.sliding_window), scale=layer.scaling, enable_gqa=True
+            )
         return o.reshape(q.shape[0], -1)
 
     def _decode_mask(self, window: int | None) -> torch.Tensor:

@@ -27,7 +27,7 @@ def rope_inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, 
         raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor != 1) are not supported yet")
     if rope_type == "default":
         theta = float(params.get("rope_theta", 10000.0))
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
         return 1.0 / (theta**exponents), 1.0
     if rope_type in _LENGTH_DEPENDENT:
         raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported: it rescales with the sequence length")
@@ -42,7 +42,7 @@ def rope_inverse_frequencies(config: Any, head_dim: int) -> tuple[torch.Tensor, 
 def cos_sin_table(inv_freq: torch.Tensor, attention_scaling: float, max_positions: int) -> torch.Tensor:
     """float32 [max_positions, head_dim]: cos of each frequency at each position, then sin (the layout fused rope
     kernels read). The products are taken in float32 as HF does, so the tables agree bit for bit."""
-    positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+    positions = torch.arange(max_positions, dtype=torch.int64, device=inv_freq.device).to(torch.float32)
     freqs = torch.outer(positions, inv_freq)
     return torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
 
@@ -53,6 +53,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: Any, head_dim: int, max_positions: int, *, ops: Ops):
         super().__init__()
         inv_freq, scaling = rope_inverse_frequencies(config, head_dim)
+        # The frequencies are computed on the host (as HF does); the table is built where the model lives.
+        inv_freq = inv_freq.to(torch.get_default_device())
         self.head_dim = head_dim
         self.ops = ops
         self.register_buffer("cos_sin_cache", cos_sin_table(inv_freq, scaling, max_positions), persistent=False)

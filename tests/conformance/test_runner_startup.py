@@ -10,7 +10,7 @@ import torch
 from omnirun.batch import ForwardBatch, build_batch
 from omnirun.errors import ConfigError, KVPoolTooSmallError, UnsupportedModelError
 from omnirun.sampling import SamplingParams
-from omnirun.testing import greedy_generate, hf_greedy, make_runner, tiny_hf_model
+from omnirun.testing import greedy_gap, greedy_generate, hf_greedy, make_runner, tiny_hf_model
 
 
 def test_dummy_preset_runs_and_is_seeded(platform):
@@ -32,7 +32,13 @@ def test_bf16_greedy_matches_hf(platform, tmp_path):
     runner = make_runner(platform, tmp_path, dtype="auto")
     assert runner.dtype == torch.bfloat16  # auto takes the checkpoint's dtype
     prompt = list(range(10, 42))
-    assert greedy_generate(runner, [prompt], 32) == [hf_greedy(model.to(runner.device), prompt, 32)]
+    model = model.to(runner.device)
+    tokens = greedy_generate(runner, [prompt], 32)[0]
+    if tokens != hf_greedy(model, prompt, 32):
+        # Different (equally valid) bf16 kernels may round a near-tie the other way; every token must still be
+        # HF's own choice up to bf16 resolution when HF is fed our sequence.
+        gap, scale = greedy_gap(model, prompt, tokens)
+        assert gap <= 2**-6 * scale, f"token off HF's argmax by {gap} (logits up to {scale})"
 
 
 def test_fp8_kv_cache_stays_close(platform, tiny_checkpoints):
