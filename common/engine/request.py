@@ -1,0 +1,79 @@
+"""A generation request as the engine tracks it, and what the user gets back."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from omnirun.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS / stop token, or a stop string
+    LENGTH = "length"  # max_new_tokens, or the context length
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    # KV state: its row in the KV memory (None while waiting) and how many of its tokens are cached there.
+    row: int | None = None
+    num_cached: int = 0
+    finish_reason: FinishReason | None = None
+    # Output text so far (kept only when a tokenizer is present) and where a stop string cut it.
+    text: str = ""
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+    # Timestamps (time.perf_counter) for latency reports.
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt and output so far: what the KV cache must hold before the next token can be sampled."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The result of one prompt, as vLLM users know it."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list[float] | None = None  # of each output token, when SamplingParams.logprobs is set
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob) of the top-n at each step
+    num_preemptions: int = 0
+    ttft_s: float | None = None  # time to first token
+    latency_s: float | None = None  # arrival to finish
+
+    @classmethod
+    def of(cls, req: Request, text: str | None) -> RequestOutput:
+        wants_logprobs = req.params.logprobs is not None
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_ids),
+            token_ids=list(req.output_ids),
+            text=text,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            logprobs=list(req.logprobs) if wants_logprobs else None,
+            top_logprobs=[list(t) for t in req.top_logprobs] if wants_logprobs and req.params.logprobs else None,
+            num_preemptions=req.num_preemptions,
+            ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            latency_s=None if req.finish_time is None else req.finish_time - req.arrival_time,
+        )

@@ -1,0 +1,124 @@
+"""The engine on the lane's device: equal to the runner-level reference, under memory pressure, and its stop rules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from omnirun.engine import LLM, Engine
+from omnirun.errors import ConfigError
+from omnirun.sampling import SamplingParams
+from omnirun.testing import greedy_generate, make_runner
+
+
+def _run_all(engine: Engine, requests):
+    """Step until done; check every request finishes exactly once."""
+    finished_ids = []
+    while engine.has_work:
+        finished_ids += [r.request_id for r in engine.step() if r.finished]
+    assert sorted(finished_ids) == sorted(r.request_id for r in requests)
+    return [r.output_ids for r in requests]
+
+
+def _prompts(n: int, seed: int, max_len: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_engine_greedy_equals_the_runner_reference(platform, tiny_checkpoints, page_size):
+    runner = make_runner(platform, tiny_checkpoints["qwen2"].plain, page_size=page_size)
+    prompts = _prompts(6, seed=0)
+    expected = [greedy_generate(runner, [p], 16)[0] for p in prompts]
+    engine = Engine(runner)
+    requests = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=16)) for p in prompts]
+    assert _run_all(engine, requests) == expected
+    # chunked prefill inside the engine gives the same tokens
+    engine = Engine(runner, chunked_prefill_size=7, max_prefill_tokens=20)
+    requests = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=16)) for p in prompts]
+    assert _run_all(engine, requests) == expected
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_soak_under_memory_pressure_finishes_everything_once(platform, tiny_checkpoints, page_size):
+    """250 requests with random prompt and output lengths against a pool holding a small fraction of them."""
+    rng = random.Random(page_size)
+    prompts = _prompts(250, seed=page_size)
+    params = [SamplingParams(temperature=0, max_new_tokens=rng.randint(1, 80), ignore_eos=True) for _ in prompts]
+    demand = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params, strict=True))
+    checkpoint = tiny_checkpoints["llama"].plain
+
+    roomy = Engine(make_runner(platform, checkpoint, page_size=page_size, max_total_tokens=demand + 4096))
+    reference = _run_all(roomy, [roomy.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)])
+    assert roomy.scheduler.num_preemptions == 0
+
+    tight_runner = make_runner(platform, checkpoint, page_size=page_size, max_total_tokens=512, max_running_requests=48)
+    assert tight_runner.kv.total_tokens * 8 < demand
+    free_before = tight_runner.kv.free_tokens
+    tight = Engine(tight_runner)
+    requests = [tight.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    outputs = _run_all(tight, requests)
+    assert tight.scheduler.num_preemptions > 0, "the pool should have been too small to avoid preemption"
+    assert outputs == reference
+    assert [len(o) for o in outputs] == [sp.max_new_tokens for sp in params]
+    assert all(r.finish_reason.value == "length" for r in requests)
+    assert tight_runner.kv.free_tokens == free_before
+    assert tight_runner.kv.req_to_token.free_count == tight_runner.kv.req_to_token.max_requests
+
+
+def test_stop_rules(platform, tiny_checkpoints):
+    runner = make_runner(platform, tiny_checkpoints["mistral"].plain)
+    prompt = _prompts(1, seed=5)[0]
+    free = greedy_generate(runner, [prompt], 12)[0]
+    stop_token = free[4]
+    first = free.index(stop_token)
+    engine = Engine(runner, eos_token_ids=[stop_token])
+    eos = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=12))
+    ignored = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    by_id = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[free[2]]))
+    _run_all(engine, [eos, ignored, by_id])
+    assert (eos.output_ids, eos.finish_reason.value) == (free[: first + 1], "stop")
+    assert (ignored.output_ids, ignored.finish_reason.value) == (free, "length")
+    assert by_id.output_ids == free[: free.index(free[2]) + 1] and by_id.finish_reason.value == "stop"
+
+
+def test_request_errors(platform, tiny_checkpoints):
+    engine = Engine(make_runner(platform, tiny_checkpoints["llama"].plain))
+    with pytest.raises(ConfigError, match="context length is 256"):
+        engine.add_request([1] * 256, SamplingParams())
+    with pytest.raises(ConfigError, match="empty prompt"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ConfigError, match=r"\[0, 256\)"):
+        engine.add_request([1, 256], SamplingParams())
+    with pytest.raises(ConfigError, match="stop strings need a tokenizer"):
+        engine.add_request([1, 2], SamplingParams(stop=["x"]))
+
+
+def test_llm_api_with_the_embedded_model(platform):
+    llm = LLM(device=platform.name, max_total_tokens=4096)
+    greedy = SamplingParams(temperature=0, max_new_tokens=24)
+    outputs = llm.generate(["Hello there", "Paged KV caches"], greedy)
+    assert [o.finish_reason for o in outputs] == ["length", "length"]
+    assert all(len(o.token_ids) == 24 and isinstance(o.text, str) for o in outputs)
+    assert outputs[0].text == llm.tokenizer.decode(outputs[0].token_ids, skip_special_tokens=True)
+
+    # streaming yields the same tokens, and its text pieces add up to the final text
+    deltas = list(llm.stream("Hello there", greedy))
+    assert [t for d in deltas for t in d.token_ids] == outputs[0].token_ids
+    assert "".join(d.text for d in deltas) == outputs[0].text
+    assert deltas[-1].finish_reason == "length"
+
+    # a stop string cuts the text before it
+    stop = outputs[1].text[5:8]
+    cut = llm.generate("Paged KV caches", SamplingParams(temperature=0, max_new_tokens=24, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.text == outputs[1].text[: outputs[1].text.find(stop)]
+
+    # logprobs, token-id prompts, seeded sampling
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_new_tokens=8, logprobs=2)
+    ids = llm.encode("Hello there")
+    a, b = llm.generate([ids, "Paged KV caches"], sampled), llm.generate(ids, sampled)
+    assert a[0].token_ids == b[0].token_ids
+    assert len(a[0].logprobs) == 8 and all(len(t) == 2 for t in a[0].top_logprobs)
+    with pytest.raises(ConfigError, match="unknown LLM argument"):
+        LLM(device=platform.name, max_num_seqs=3)
