@@ -38,6 +38,63 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from omnirun.cli_flags import llm_kwargs
+    from omnirun.engine import LLM
+    from omnirun.sampling import SamplingParams
+
+    llm = LLM(args.model, **llm_kwargs(args))
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or ["Hello"]
+    if llm.tokenizer is None:
+        raise OmnirunError("this model has no tokenizer for text prompts: pass --tokenizer <HF tokenizer dir>")
+    if args.stream and len(prompts) == 1:
+        for delta in llm.stream(prompts[0], params):
+            print(delta.text, end="", flush=True)
+        print()
+        return 0
+    for i, output in enumerate(llm.generate(prompts, params, use_tqdm=False)):
+        if len(prompts) > 1:
+            print(f"--- [{i}] {output.finish_reason}, {len(output.token_ids)} tokens")
+        print(output.text)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from omnirun.bench import format_result, run_bench
+    from omnirun.cli_flags import llm_kwargs
+    from omnirun.engine import LLM
+
+    kwargs = llm_kwargs(args)
+    kwargs.setdefault("max_running_requests", args.batch_size)
+    llm = LLM(args.model, **kwargs)
+    result = run_bench(
+        llm,
+        batch_size=args.batch_size,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts or args.batch_size,
+        seed=args.seed or 0,
+    )
+    print(format_result(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnirun", description="One LLM model runner, many accelerators.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -46,6 +103,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_flag(env)
     env.add_argument("--json", action="store_true", help="print JSON instead of a table")
     env.set_defaults(func=_cmd_env)
+
+    from omnirun.cli_flags import add_runner_flags
+
+    generate = commands.add_parser("generate", help="generate text for prompts (the embedded model by default)")
+    add_runner_flags(generate)
+    generate.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: Hello)")
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=-1)
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    generate.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
+    generate.set_defaults(func=_cmd_generate)
+
+    bench = commands.add_parser("bench", help="offline throughput and latency, with the roofline fraction")
+    add_runner_flags(bench)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--input-len", type=int, default=128)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--num-prompts", type=int, default=None, help="default: the batch size")
+    bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -219,6 +219,15 @@ class ModelRunner:
         weight = read_weight(self.model, name)
         return weight if truncate_size is None else weight[:truncate_size]
 
+    def weight_bytes_per_step(self) -> int:
+        """Weight bytes one decode step must read: every parameter, except an untied embedding table (a lookup reads
+        only the batch's rows; tied, the same table is read whole as the LM head)."""
+        total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if not self.model.lm_head.tied:
+            embedding = self.model.model.embed_tokens.weight
+            total -= embedding.numel() * embedding.element_size()
+        return total
+
     def describe(self) -> dict[str, Any]:
         """The settled start-up facts, for logs and `omnirun` reports."""
         return {

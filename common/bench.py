@@ -1,0 +1,102 @@
+"""`omnirun bench`: offline throughput and latency of the engine on random prompts, and the roofline fraction.
+
+A decode step must read every weight once plus the K/V of every cached token of the batch; at best it takes
+(those bytes) / (the device's memory bandwidth). The roofline fraction is that bound over the measured step time,
+with the bandwidth measured in the same run by a large device copy (read + write bytes per second).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from omnirun.bandwidth import measure_bandwidth
+from omnirun.engine import LLM
+from omnirun.memory import PagedKVCache
+from omnirun.sampling import SamplingParams
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def run_bench(
+    llm: LLM,
+    *,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    seed: int = 0,
+    warmup: bool = True,
+) -> dict[str, Any]:
+    """Run `num_prompts` prompts of `input_len` random tokens, `output_len` new tokens each (EOS ignored), at most
+    `batch_size` at a time; return the measurements as a flat dict (what --json writes)."""
+    engine, runner = llm.engine, llm.runner
+    vocab = runner.shape.vocab_size
+    params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
+    if warmup:  # first calls pay one-time costs (allocator growth, kernel selection, weight packing)
+        llm.generate(random_prompts(min(batch_size, num_prompts), input_len, vocab, seed + 1), params, use_tqdm=False)
+    engine.scheduler.max_running_requests = batch_size
+    engine.decode_steps.clear()
+    prompts = random_prompts(num_prompts, input_len, vocab, seed)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=num_prompts > batch_size)
+    runner.platform.synchronize()
+    elapsed = time.perf_counter() - start
+
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    tpots = [(o.latency_s - o.ttft_s) / (len(o.token_ids) - 1) for o in outputs if len(o.token_ids) > 1]
+    full = [s for s in engine.decode_steps if s[1] == min(batch_size, num_prompts)] or engine.decode_steps
+    step_s = statistics.median(s[0] for s in full) if full else float("nan")
+    kv_tokens = statistics.median(s[2] for s in full) if full else 0
+    shape = runner.shape
+    kv_bytes_per_token = PagedKVCache.bytes_per_token(
+        shape.num_layers, shape.num_kv_heads, shape.head_dim, runner.kv_cache_dtype
+    )
+    step_bytes = runner.weight_bytes_per_step() + kv_tokens * kv_bytes_per_token
+    bandwidth = measure_bandwidth(runner.platform, runner.device)
+    return {
+        "model": runner.config.model,
+        "device": str(runner.device),
+        "device_name": runner.capabilities.device_name,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "attention": runner.attention.name,
+        "graph_runner": runner.describe()["graph_runner"],
+        "batch_size": batch_size,
+        "input_len": input_len,
+        "output_len": output_len,
+        "num_prompts": num_prompts,
+        "total_s": elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "ttft_ms_mean": 1e3 * statistics.fmean(o.ttft_s for o in outputs),
+        "tpot_ms_mean": 1e3 * statistics.fmean(tpots) if tpots else float("nan"),
+        "decode_step_ms_median": 1e3 * step_s,
+        "decode_step_bytes": step_bytes,
+        "weight_bytes_per_step": runner.weight_bytes_per_step(),
+        **bandwidth.as_dict(),
+        "roofline_fraction_copy_bw": step_bytes / step_s / bandwidth.copy_bytes_per_s,
+        "roofline_fraction_read_bw": step_bytes / step_s / bandwidth.read_bytes_per_s,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def format_result(r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"{r['model']} on {r['device']} ({r['device_name']}), {r['dtype']}, attention {r['attention']}, "
+            f"{r['graph_runner']}",
+            f"batch {r['batch_size']}, {r['num_prompts']} prompts x {r['input_len']} tokens -> {r['output_len']} new",
+            f"  output throughput  {r['output_tokens_per_s']:10.1f} tok/s   ({r['total_s']:.2f} s)",
+            f"  TTFT (mean)        {r['ttft_ms_mean']:10.2f} ms",
+            f"  TPOT (mean)        {r['tpot_ms_mean']:10.2f} ms",
+            f"  decode step        {r['decode_step_ms_median']:10.2f} ms  (median at full batch)",
+            f"  bytes per step     {r['decode_step_bytes'] / 1e9:10.3f} GB  (weights + KV read)",
+            f"  bandwidth          {r['copy_GBps']:10.1f} GB/s copy, {r['read_GBps']:.1f} GB/s read",
+            f"  roofline fraction  {r['roofline_fraction_copy_bw']:10.1%}  of copy bandwidth "
+            f"({r['roofline_fraction_read_bw']:.1%} of read bandwidth)",
+        ]
+    )
