@@ -91,6 +91,7 @@ class ModelRunner:
             else:
                 checkpoint = SafetensorsCheckpoint(self.config.model)
                 load_weights(model, checkpoint.iter_tensors(progress=self.config.progress))
+            model.prepare_weights()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info("loaded %s (%s, %.2f GiB of weights)", self.config.model, self.dtype, weight_bytes / 2**30)
         return model.eval()
@@ -202,7 +203,10 @@ class ModelRunner:
             raise WeightUpdateError(f"weight update refused, nothing changed: {exc}") from None
         check_update(self.model, {name: spec.shape for name, spec in specs.items()}, complete=True)
         with torch.no_grad():
-            count = apply_update(self.model, checkpoint.iter_tensors(progress=self.config.progress))
+            try:
+                count = apply_update(self.model, checkpoint.iter_tensors(progress=self.config.progress))
+            finally:  # changed or restored, the weights need their platform form again
+                self.model.prepare_weights()
         self.platform.synchronize()
         logger.info("updated %d weight tensors from %s", count, model_path)
 
@@ -211,7 +215,10 @@ class ModelRunner:
         named_tensors = list(named_tensors)
         check_update(self.model, {name: tuple(t.shape) for name, t in named_tensors}, complete=False)
         with torch.no_grad():
-            apply_update(self.model, named_tensors)
+            try:
+                apply_update(self.model, named_tensors)
+            finally:
+                self.model.prepare_weights()
         self.platform.synchronize()
 
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:

@@ -6,8 +6,20 @@ matches HF to the last bit in bf16, and every fused kernel is checked against th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any = None) -> torch.Tensor:
+    """x W^T + b. `prepared` is what the platform's `prepare_linear` made of the weight (unused here)."""
+    return F.linear(x, weight, bias)
+
+
+def prepare_linear(weight: torch.Tensor) -> Any:
+    """A device-preferred form of a linear weight, made once after loading (None: use the weight as it is)."""
+    return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,13 +59,27 @@ def rotary_embedding(
 
     `cos_sin_cache` is float32 [max_positions, head_dim] holding cos of the head_dim/2 frequencies, then their sin.
     """
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    # HF builds cos/sin for the full head as [f | f], casts them to the activation dtype, then rotates in it.
-    cos = torch.cat((cos, cos), dim=-1).to(q.dtype).unsqueeze(1)
-    sin = torch.cat((sin, sin), dim=-1).to(q.dtype).unsqueeze(1)
+    cos, sin = _cos_sin(positions, cos_sin_cache, q.dtype)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x = x.view(x.shape[0], -1, head_dim)
         return ((x * cos) + (_rotate_half(x) * sin)).flatten(1)
 
     return rotate(q), rotate(k)
+
+
+# Every layer of a forward pass rotates by the same positions: expand their cos/sin once. The entry holds the
+# positions tensor itself (so its id cannot be reused) and its version (graph runners refill it in place).
+_cos_sin_memo: list = [None, None, None, None, None]  # positions, version, table, dtype, (cos, sin)
+
+
+def _cos_sin(positions: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    memo = _cos_sin_memo
+    if memo[0] is positions and memo[1] == positions._version and memo[2] is table and memo[3] == dtype:
+        return memo[4]
+    cos, sin = table[positions].chunk(2, dim=-1)
+    # HF builds cos/sin for the full head as [f | f], casts them to the activation dtype, then rotates in it.
+    cos = torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).to(dtype).unsqueeze(1)
+    memo[:] = [positions, positions._version, table, dtype, (cos, sin)]
+    return cos, sin

@@ -11,6 +11,8 @@ from omnirun.layers import native_ops
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
+    linear: Callable[..., Any] = native_ops.linear
+    prepare_linear: Callable[..., Any] = native_ops.prepare_linear
     rms_norm: Callable[..., Any] = native_ops.rms_norm
     add_rms_norm: Callable[..., Any] = native_ops.add_rms_norm
     silu_and_mul: Callable[..., Any] = native_ops.silu_and_mul
@@ -25,4 +27,6 @@ def resolve_ops(fused: Mapping[str, Callable[..., Any]]) -> Ops:
     unknown = sorted(set(fused) - set(OP_NAMES))
     if unknown:
         raise ValueError(f"platform offers fused ops omnirun does not know: {unknown}; known: {list(OP_NAMES)}")
+    if ("linear" in fused) != ("prepare_linear" in fused):
+        raise ValueError("a platform offering `linear` must offer `prepare_linear` too (they agree on a format)")
     return Ops(**dict(fused))

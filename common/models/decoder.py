@@ -31,9 +31,10 @@ class SelfAttention(nn.Module):
             shape.hidden_size,
             {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
             bias=shape.qkv_bias,
+            ops=ops,
             dtype=dtype,
         )
-        self.o_proj = Linear(self.q_size, shape.hidden_size, bias=shape.o_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, shape.hidden_size, bias=shape.o_bias, ops=ops, dtype=dtype)
         if shape.qk_norm:
             self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops=ops, dtype=dtype)
             self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops=ops, dtype=dtype)
@@ -65,8 +66,9 @@ class MLP(nn.Module):
     def __init__(self, shape: DecoderShape, *, ops: Ops, dtype: torch.dtype):
         super().__init__()
         size = shape.intermediate_size
-        self.gate_up_proj = Linear(shape.hidden_size, {"gate": size, "up": size}, bias=shape.mlp_bias, dtype=dtype)
-        self.down_proj = Linear(size, shape.hidden_size, bias=shape.mlp_bias, dtype=dtype)
+        gate_up = {"gate": size, "up": size}
+        self.gate_up_proj = Linear(shape.hidden_size, gate_up, bias=shape.mlp_bias, ops=ops, dtype=dtype)
+        self.down_proj = Linear(size, shape.hidden_size, bias=shape.mlp_bias, ops=ops, dtype=dtype)
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,13 +138,19 @@ class DecoderForCausalLM(nn.Module):
         rotary = RotaryEmbedding(config, shape.head_dim, max_positions, ops=ops)
         self.model = DecoderModel(shape, rotary, ops=ops, dtype=dtype)
         tied = self.model.embed_tokens if shape.tie_word_embeddings else None
-        self.lm_head = LMHead(shape.vocab_size, shape.hidden_size, dtype=dtype, tied_to=tied)
+        self.lm_head = LMHead(shape.vocab_size, shape.hidden_size, ops=ops, dtype=dtype, tied_to=tied)
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         return self.model(batch, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def prepare_weights(self) -> None:
+        """Give the platform its look at every matmul weight (after loading, and after each weight update)."""
+        for module in self.modules():
+            if isinstance(module, (Linear, LMHead)):
+                module.prepare()
 
     def checkpoint_target(self, name: str) -> torch.Tensor | None:
         """The parameter rows an HF checkpoint tensor `name` fills; None for tensors to skip; KeyError if unknown."""

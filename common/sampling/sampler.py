@@ -113,8 +113,9 @@ class Sampler:
     """Samples one token per row of a [B, V] logits tensor according to a SamplingBatch."""
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        # Greedy is exactly argmax of the raw logits: bit-stable and equal to HF generate's greedy choice.
-        token_ids = logits.argmax(dim=-1)
+        # Greedy is exactly argmax of the raw logits (the first of equal maxima, as HF generate picks). max() gives
+        # the same index and is several times faster than argmax() on bf16 CPU tensors.
+        token_ids = logits.max(dim=-1).indices
         if not batch.all_greedy:
             probs = self._filtered_probs(logits, batch)
             sampled = (probs / self._exponentials(probs, batch)).argmax(dim=-1)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import platform as _host
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -59,6 +61,11 @@ class CpuPlatform(Platform):
 
     def memory_info(self, index: int | None = None) -> tuple[int, int]:
         return host_memory_info()
+
+    def fused_ops(self) -> dict[str, Callable[..., Any]]:
+        from omnirun.devices.cpu import packed_linear
+
+        return {"linear": packed_linear.linear, "prepare_linear": packed_linear.prepare_linear}
 
     def empty_cache(self) -> None:
         """Nothing to do: torch's CPU allocator hands freed memory back to the OS itself."""
