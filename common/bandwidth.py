@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -19,24 +20,27 @@ class Bandwidth:
         return {"copy_GBps": self.copy_bytes_per_s / 1e9, "read_GBps": self.read_bytes_per_s / 1e9}
 
 
-def measure_bandwidth(platform: Platform, device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> Bandwidth:
-    """Best of `repeats` timed copies and sums over `nbytes`-sized buffers (large enough to defeat caches)."""
+def measure_bandwidth(platform: Platform, device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> Bandwidth:
+    """Median of `repeats` timed copies and sums over `nbytes`-sized buffers (far larger than any cache).
+
+    The median, not the best: on shared hosts single runs stray both ways (seen here: 22 to 62 GB/s around a
+    steady 33 GB/s on a 2-core VM), and the roofline fraction should not hinge on one lucky run."""
     # float32: every device reduces it at full speed (a bf16 sum converts on the way, which some CPUs do slowly).
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
 
-    def best_time(fn) -> float:
-        fn()  # warm up (allocation, first touch, kernel load)
+    def median_time(fn) -> float:
+        fn()  # warm up (first touch of the pages, kernel load)
         platform.synchronize()
-        best = float("inf")
+        times = []
         for _ in range(repeats):
             start = time.perf_counter()
             fn()
             platform.synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
-    copy = best_time(lambda: dst.copy_(src))
-    read = best_time(src.sum)
+    copy = median_time(lambda: dst.copy_(src))
+    read = median_time(src.sum)
     platform.empty_cache()
     return Bandwidth(copy_bytes_per_s=2 * nbytes / copy, read_bytes_per_s=nbytes / read)
