@@ -19,6 +19,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Without a GPU, Triton kernels run in Triton's interpreter. The switch must be set before anything imports
+    # triton (transformers may, while tests are being collected), because triton reads it once.
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from omnirun.registry import default_registry
 

@@ -1,10 +1,13 @@
 """omnirun against HF transformers `generate`, side by side in one process: same shapes, device and dtype.
 
     python bench/compare_hf.py --preset qwen2.5-0.5b --device cpu --batch-sizes 1 8 32 --input-len 32 --output-len 64
+    python bench/compare_hf.py --preset llama-3-8b --device cuda --batch-sizes 1 8 32 64 128 256 --hf-batch-sizes 1 32 \
+        --input-len 128 --output-len 128 --offline 256 256 256
 
-Both run greedy on random prompts with EOS ignored, from dummy weights of the preset's shape. Prints output
-tokens/s and decode ms/step for each batch size, the ratio omnirun/HF, and omnirun's roofline fraction; `--json`
-writes everything.
+Both run greedy on random prompts with EOS ignored, from random weights of the preset's shape. For each batch size
+it prints output tokens/s and decode ms/step of both, the ratio omnirun/HF, and omnirun's roofline fraction;
+`--offline N I O` also runs N prompts of I tokens, O new tokens each, through omnirun (HF's figure for that work
+is quoted from the issue, not rerun: it takes minutes). `--json` writes everything.
 """
 
 from __future__ import annotations
@@ -50,49 +53,77 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="*", default=None, help="default: all batch sizes")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--offline", type=int, nargs=3, metavar=("N", "IN", "OUT"), default=None)
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--disable-graph", action="store_true")
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    hf_sizes = args.batch_sizes if args.hf_batch_sizes is None else args.hf_batch_sizes
 
+    hf = None
+    if hf_sizes:
+        from transformers import AutoModelForCausalLM
+
+        # Built first and on the device (random init there is fast), before omnirun sizes its KV pool.
+        with torch.device(args.device):
+            hf = AutoModelForCausalLM.from_config(preset_config(args.preset), dtype=getattr(torch, args.dtype))
+        hf.eval()
+
+    max_bs = max(args.batch_sizes + ([args.offline[0]] if args.offline else []))
+    start = time.perf_counter()
     llm = LLM(
         args.preset,
         load_format="dummy",
         device=args.device,
         dtype=args.dtype,
-        max_running_requests=max(args.batch_sizes),
+        max_running_requests=max_bs,
         attention_backend=args.attention_backend,
-        disable_graph=args.disable_graph,
-        progress=False,
+        disable_graph=args.disable_graph or None,
+        mem_fraction_static=args.mem_fraction_static,
     )
-    platform, dtype = llm.runner.platform, llm.runner.dtype
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_config(preset_config(args.preset), dtype=dtype).to(llm.runner.device).eval()
-    vocab = llm.runner.shape.vocab_size
+    startup_s = time.perf_counter() - start
+    print(f"omnirun start-up (dummy weights + KV sizing + graph capture): {startup_s:.1f} s  {llm.runner.describe()}")
+    platform, vocab = llm.runner.platform, llm.runner.shape.vocab_size
 
     rows = []
     for bs in args.batch_sizes:
-        hf_result = hf_generate_timing(
-            hf, random_prompts(bs, args.input_len, vocab, seed=bs), args.output_len, platform.synchronize
-        )
+        row = {"batch_size": bs}
         ours = run_bench(llm, batch_size=bs, input_len=args.input_len, output_len=args.output_len, num_prompts=bs)
-        ratio = ours["output_tokens_per_s"] / hf_result["output_tokens_per_s"]
-        rows.append({"batch_size": bs, "hf": hf_result, "omnirun": ours, "ratio": ratio})
+        row["omnirun"] = ours
+        line = (
+            f"bs={bs:4d} | omnirun {ours['output_tokens_per_s']:9.1f} tok/s {ours['decode_step_ms_median']:8.2f} "
+            f"ms/step, roofline {ours['roofline_fraction_copy_bw']:.1%} of {ours['copy_GBps']:.0f} GB/s copy "
+            f"({ours['roofline_fraction_read_bw']:.1%} of {ours['read_GBps']:.0f} GB/s read)"
+        )
+        if bs in hf_sizes:
+            prompts = random_prompts(bs, args.input_len, vocab, seed=bs)
+            hf_result = hf_generate_timing(hf, prompts, args.output_len, platform.synchronize)
+            row["hf"] = hf_result
+            row["ratio"] = ours["output_tokens_per_s"] / hf_result["output_tokens_per_s"]
+            line += (
+                f" | HF {hf_result['output_tokens_per_s']:9.1f} tok/s {hf_result['decode_step_ms']:8.2f} ms/step"
+                f" | ratio {row['ratio']:5.2f}x"
+            )
+        rows.append(row)
+        print(line, flush=True)
+
+    offline = None
+    if args.offline:
+        n, input_len, output_len = args.offline
+        offline = run_bench(llm, batch_size=n, input_len=input_len, output_len=output_len, num_prompts=n, warmup=False)
         print(
-            f"bs={bs:4d}  HF {hf_result['output_tokens_per_s']:9.1f} tok/s {hf_result['decode_step_ms']:8.2f} ms/step"
-            f" | omnirun {ours['output_tokens_per_s']:9.1f} tok/s {ours['decode_step_ms_median']:8.2f} ms/step"
-            f" | ratio {ratio:5.2f}x | omnirun roofline {ours['roofline_fraction_copy_bw']:.1%} of "
-            f"{ours['copy_GBps']:.1f} GB/s copy, {ours['roofline_fraction_read_bw']:.1%} of "
-            f"{ours['read_GBps']:.1f} GB/s read",
+            f"offline: {n} prompts x {input_len} tokens -> {output_len} new: "
+            f"{offline['output_tokens_per_s']:.1f} output tok/s in {offline['total_s']:.1f} s",
             flush=True,
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+            json.dump({"args": vars(args), "startup_s": startup_s, "results": rows, "offline": offline}, f, indent=2)
 
 
 if __name__ == "__main__":

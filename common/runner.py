@@ -1,8 +1,9 @@
 """ModelRunner: one model on one device, from a directory of weights to sampled tokens.
 
 Start-up runs in this order, each step reading what the previous one settled:
-    init distributed -> load the model -> KV dtype -> KV memory pool (sized from the memory left after loading)
-    -> attention backends -> graph runner (the platform's, or eager)
+    init distributed -> load the model -> KV dtype -> graph runner (the platform's, or none: eager)
+    -> KV memory pool (sized from the memory left after loading, minus what the graphs will take)
+    -> attention backends -> graph capture
 Then the scheduler calls `forward(batch)` and `sample(logits, ...)` once per step. The runner never asks which
 device it is on: it reads the platform's capabilities and asks the platform for the device-specific parts.
 """
@@ -62,10 +63,15 @@ class ModelRunner:
         self.dtype = resolve_model_dtype(config.dtype, self.model_config, self.capabilities)
         self.model = self._load_model()
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
+        self.max_running_requests = config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        # The graph runner exists before the KV pool so that its memory is taken out of the pool's budget; it
+        # captures once the pool and the attention backend exist (the graphs read both).
+        self.graph_runner = None if config.disable_graph else self.platform.make_graph_runner(self)
         self.kv = self._init_kv_memory()
         self.attention = self._init_attention()
         self.sampler = Sampler()
-        self.graph_runner = None if config.disable_graph else self.platform.make_graph_runner(self)
+        if self.graph_runner is not None:
+            self.graph_runner.capture(progress=config.progress)
 
     # --- start-up ---
     def _init_distributed(self) -> None:
@@ -111,8 +117,9 @@ class ModelRunner:
             ),
             page_size=self.config.page_size,
             context_length=self.context_length,
-            max_running_requests=self.config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
+            max_running_requests=self.max_running_requests,
             max_total_tokens=self.config.max_total_tokens,
+            reserved_bytes=self.graph_runner.reserved_bytes() if self.graph_runner is not None else 0,
         )
         logger.info("KV cache: %s", plan.explanation)
         page_size = plan.page_size
@@ -174,6 +181,10 @@ class ModelRunner:
 
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         self.attention.init_forward_metadata(batch)
+        return self.run_model(batch)
+
+    def run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model and the LM head on a batch whose attention metadata is set (what a graph captures)."""
         hidden = self.model(batch, self.attention)
         if batch.mode is ForwardMode.EXTEND and not batch.return_full_logits:
             last_tokens = batch.extend_seq_lens_cpu.cumsum(0) - 1

@@ -14,12 +14,24 @@ if TYPE_CHECKING:
 
 BackendFactory = Callable[[AttentionContext], AttentionBackend]
 
-# Portable backends (triton joins when its kernels land, offered where the capabilities say triton), best last.
-BUILTIN_BACKENDS: dict[str, BackendFactory] = {TorchNativeAttention.name: TorchNativeAttention}
+TRITON = "triton"
+
+
+def _build_triton(context: AttentionContext) -> AttentionBackend:
+    # Imported here, not at the top: the module imports triton, which `import omnirun` must never do.
+    from omnirun.attention.triton_backend import TritonAttention
+
+    return TritonAttention(context)
+
+
+# Portable backends: torch_native runs everywhere; triton is offered where the capabilities say triton.
+BUILTIN_BACKENDS: dict[str, BackendFactory] = {TorchNativeAttention.name: TorchNativeAttention, TRITON: _build_triton}
 
 
 def portable_backends(capabilities: Capabilities) -> tuple[str, ...]:
     """The portable backends a device with these capabilities can run, best first."""
+    if capabilities.supports_triton:
+        return (TRITON, TorchNativeAttention.name)
     return (TorchNativeAttention.name,)
 
 

@@ -42,6 +42,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **flags: Any):
+        flags = {k: v for k, v in flags.items() if v is not None}  # None: "not given", the default applies
         unknown = sorted(set(flags) - _RUNNER_FLAGS - _ENGINE_FLAGS)
         if unknown:
             raise ConfigError(f"unknown LLM argument(s) {', '.join(unknown)}: see omnirun.config.RunnerConfig")

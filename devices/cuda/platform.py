@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from omnirun.devices.cuda.torch_gpu import gpu_model_dtypes, torch_gpu_build, triton_installed, visible_devices_note
+from omnirun.devices.cuda.torch_gpu import (
+    gpu_model_dtypes,
+    torch_cuda_graph_runner,
+    torch_gpu_build,
+    triton_fused_ops_if_supported,
+    triton_installed,
+    visible_devices_note,
+)
 from omnirun.platform import Capabilities, Platform, ProbeResult
 
 # Compute capabilities (major, minor) where a feature starts.
@@ -55,3 +65,9 @@ class CudaPlatform(Platform):
             supports_triton=triton_installed() and sm >= TRITON_MIN_SM,
             graph_capture="cuda_graph",
         )
+
+    def fused_ops(self) -> dict[str, Callable[..., Any]]:
+        return triton_fused_ops_if_supported(self.capabilities.supports_triton)
+
+    def make_graph_runner(self, runner: Any) -> Any:
+        return torch_cuda_graph_runner(runner)

@@ -59,7 +59,16 @@ def test_no_triton_installed(monkeypatch: pytest.MonkeyPatch, fake_xpu) -> None:
     assert platform.attention_backends() == ("torch_native",)
 
 
-def test_triton_with_intel_backend(monkeypatch: pytest.MonkeyPatch, tmp_path, fake_xpu, write_package) -> None:
+@pytest.fixture
+def triton_unimported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget a triton that other tests of this run imported, so "not imported by the probe" can be checked."""
+    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_triton_with_intel_backend(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, fake_xpu, write_package, triton_unimported
+) -> None:
     write_package(tmp_path, "triton", "pytorch-triton-xpu", "3.6.0", init=IMPORT_TRAP, subdirs=("backends/intel",))
     monkeypatch.syspath_prepend(tmp_path)
     platform = XpuPlatform()
@@ -70,7 +79,7 @@ def test_triton_with_intel_backend(monkeypatch: pytest.MonkeyPatch, tmp_path, fa
 
 
 def test_generic_triton_cannot_compile_for_xpu(
-    monkeypatch: pytest.MonkeyPatch, tmp_path, fake_xpu, write_package
+    monkeypatch: pytest.MonkeyPatch, tmp_path, fake_xpu, write_package, triton_unimported
 ) -> None:
     write_package(tmp_path, "triton", "triton", "3.6.0", init=IMPORT_TRAP, subdirs=("backends/nvidia",))
     monkeypatch.syspath_prepend(tmp_path)

@@ -1,0 +1,206 @@
+"""The portable Triton attention backend: paged decode (split-K) and extend kernels, graph-capturable decode.
+
+Importing this module imports triton, so the registry imports it only when the backend is built. Per-batch
+metadata is computed once in `init_forward_metadata` (no device-to-host sync: host numbers come from the batch's
+`*_cpu` copies) and shared by every layer. For graphs, the decode metadata lives in static buffers that a replay
+refreshes in place; padding rows of a padded batch read request row 0 with one key and their output is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from omnirun.attention.backend import AttentionBackend, AttentionContext, AttentionLayerSpec
+from omnirun.attention.triton_decode import decode_attention, partial_buffers
+from omnirun.attention.triton_extend import extend_attention
+from omnirun.batch import ForwardBatch, ForwardMode
+
+
+@dataclasses.dataclass
+class _DecodeMetadata:
+    req_rows: torch.Tensor  # [batch] int64: each request's row of the request-to-token table
+    seq_lens: torch.Tensor  # [batch] int32: keys per request, its new token included
+    part_out: torch.Tensor  # [batch, heads, splits, head_dim] float32 scratch of the split stage
+    part_lse: torch.Tensor  # [batch, heads, splits] float32 scratch of the split stage
+
+
+@dataclasses.dataclass
+class _ExtendMetadata:
+    req_rows: torch.Tensor  # [batch] int64
+    q_starts: torch.Tensor  # [batch] int32: first new token of each request in q
+    extend_lens: torch.Tensor  # [batch] int32: new tokens per request
+    prefix_lens: torch.Tensor  # [batch] int32: tokens cached before this step
+    max_extend_len: int  # host int: sizes the grid
+
+
+@dataclasses.dataclass
+class _GraphBuffers:
+    """Static decode metadata for captured graphs, sized for the largest captured batch."""
+
+    req_rows: torch.Tensor
+    seq_lens: torch.Tensor
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.req_rows.shape[0]
+
+    def views(self, batch_size: int) -> _DecodeMetadata:
+        return _DecodeMetadata(
+            self.req_rows[:batch_size],
+            self.seq_lens[:batch_size],
+            self.part_out[:batch_size],
+            self.part_lse[:batch_size],
+        )
+
+
+class TritonAttention(AttentionBackend):
+    """Attention over the paged KV cache with Triton kernels; runs wherever the capabilities say triton.
+
+    num_splits: how many parts decode splits each request's keys into (fixed, so a captured graph serves every
+    sequence length); more splits keep the GPU busy at small batch sizes, fewer waste less on short sequences.
+    The remaining arguments tune the kernels' launches (None: the tiles `triton_extend.extend_tiles` picks).
+    """
+
+    name = "triton"
+    supports_graph = True
+
+    def __init__(
+        self,
+        context: AttentionContext,
+        num_splits: int = 16,
+        *,
+        decode_block_n: int = 64,
+        decode_num_warps: int = 4,
+        decode_num_stages: int = 2,
+        extend_block_m: int | None = None,
+        extend_block_n: int | None = None,
+    ):
+        super().__init__(context)
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        self.num_splits = num_splits
+        self._decode_launch = dict(block_n=decode_block_n, num_warps=decode_num_warps, num_stages=decode_num_stages)
+        self._extend_launch = {"block_m": extend_block_m, "block_n": extend_block_n}
+        self._decode: _DecodeMetadata | None = None
+        self._extend: _ExtendMetadata | None = None
+        self._graph: _GraphBuffers | None = None
+        # Eager decode scratch, grown to the largest batch seen and shared by every layer and step.
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # --- metadata ---
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode is ForwardMode.DECODE:
+            part_out, part_lse = self._eager_scratch(batch.batch_size)
+            self._decode = _DecodeMetadata(batch.req_pool_indices, batch.seq_lens, part_out, part_lse)
+            return
+        extend_lens = batch.extend_seq_lens_cpu.to(torch.int32)
+        q_starts = torch.cumsum(extend_lens, 0, dtype=torch.int32) - extend_lens
+        host = torch.stack([q_starts, extend_lens, batch.extend_prefix_lens_cpu.to(torch.int32)])
+        device_ints = host.to(batch.req_pool_indices.device, non_blocking=True)  # one copy for all three
+        max_extend_len = int(extend_lens.max()) if extend_lens.numel() else 0
+        self._extend = _ExtendMetadata(
+            batch.req_pool_indices, device_ints[0], device_ints[1], device_ints[2], max_extend_len
+        )
+
+    def _eager_scratch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._scratch is None or self._scratch[0].shape[0] < batch_size:
+            # Powers of two: a growing batch reallocates a handful of times, not on every new size.
+            size = 1 << max(batch_size - 1, 0).bit_length()
+            ctx = self.context
+            self._scratch = partial_buffers(size, ctx.num_heads, self.num_splits, ctx.head_dim, ctx.device)
+        part_out, part_lse = self._scratch
+        return part_out[:batch_size], part_lse[:batch_size]
+
+    # --- forward ---
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.store_kv(k, v, layer, batch)
+        k_cache, v_cache = self.context.kv.kv_cache.get_kv(layer.layer_id)
+        meta = self._extend
+        out = q.new_empty((q.shape[0], layer.num_heads * layer.head_dim))
+        extend_attention(
+            q.view(-1, layer.num_heads, layer.head_dim),
+            k_cache,
+            v_cache,
+            out.view(-1, layer.num_heads, layer.head_dim),
+            self.context.kv.req_to_token.table,
+            meta.req_rows,
+            meta.q_starts,
+            meta.extend_lens,
+            meta.prefix_lens,
+            meta.max_extend_len,
+            layer.scaling,
+            layer.sliding_window,
+            **self._extend_launch,
+        )
+        return out
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.store_kv(k, v, layer, batch)
+        k_cache, v_cache = self.context.kv.kv_cache.get_kv(layer.layer_id)
+        meta = self._decode
+        batch_size = q.shape[0]
+        part_out, part_lse = meta.part_out, meta.part_lse
+        if part_out.shape[1] != layer.num_heads or part_out.shape[3] != layer.head_dim:
+            # A layer shaped unlike the context (never in the models we run): scratch of its own, eager only.
+            part_out, part_lse = partial_buffers(batch_size, layer.num_heads, self.num_splits, layer.head_dim, q.device)
+        out = q.new_empty((batch_size, layer.num_heads * layer.head_dim))
+        decode_attention(
+            q.view(batch_size, layer.num_heads, layer.head_dim),
+            k_cache,
+            v_cache,
+            self.context.kv.req_to_token.table,
+            meta.req_rows,
+            meta.seq_lens,
+            part_out,
+            part_lse,
+            out.view(batch_size, layer.num_heads, layer.head_dim),
+            layer.scaling,
+            layer.sliding_window,
+            **self._decode_launch,
+        )
+        return out
+
+    # --- graph hooks ---
+    def init_graph_state(self, max_batch_size: int) -> None:
+        ctx = self.context
+        part_out, part_lse = partial_buffers(max_batch_size, ctx.num_heads, self.num_splits, ctx.head_dim, ctx.device)
+        self._graph = _GraphBuffers(
+            # Row 0 with one key until a replay fills them: a capture run reads valid, finite data.
+            req_rows=torch.zeros(max_batch_size, dtype=torch.int64, device=ctx.device),
+            seq_lens=torch.ones(max_batch_size, dtype=torch.int32, device=ctx.device),
+            part_out=part_out,
+            part_lse=part_lse,
+        )
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self._decode = self._graph_buffers(batch.batch_size).views(batch.batch_size)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, padded_batch_size: int) -> None:
+        graph = self._graph_buffers(padded_batch_size)
+        batch_size = batch.batch_size
+        if batch_size > padded_batch_size:
+            raise ValueError(f"batch of {batch_size} requests replayed in a graph of {padded_batch_size}")
+        graph.req_rows[:batch_size].copy_(batch.req_pool_indices, non_blocking=True)
+        graph.seq_lens[:batch_size].copy_(batch.seq_lens, non_blocking=True)
+        # Padding rows read one key of row 0 (at worst the zeroed padding slot); their output is discarded.
+        graph.req_rows[batch_size:padded_batch_size].fill_(0)
+        graph.seq_lens[batch_size:padded_batch_size].fill_(1)
+        self._decode = graph.views(padded_batch_size)
+
+    def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
+        if self._graph is None:
+            raise RuntimeError("TritonAttention: call init_graph_state(max_batch_size) before capturing a graph")
+        if batch_size > self._graph.max_batch_size:
+            raise ValueError(
+                f"batch size {batch_size} exceeds the graph state's {self._graph.max_batch_size}: "
+                "call init_graph_state with the largest captured batch size"
+            )
+        return self._graph

@@ -1,0 +1,155 @@
+"""Decode steps captured as device graphs, one per batch size, replayed with the batch padded to the next size.
+
+Device-neutral: a platform hands over its graph API (CUDA and HIP graphs through torch.cuda, NPUGraph through
+torch.npu, ...) and gets this runner from `make_graph_runner`. A decode step's inputs live in static buffers that
+every captured graph reads; a replay copies the batch into them, pads the rest with a harmless dummy request (row 0,
+one token, writing the padding slot 0), lets the attention backend refresh its static metadata, and replays.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from omnirun.batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from omnirun.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphAPI:
+    """How a device captures graphs: torch.cuda.CUDAGraph / torch.cuda.graph / torch.cuda.graph_pool_handle, or
+    the same three of another device module."""
+
+    new_graph: Callable[[], Any]
+    capture: Callable[..., AbstractContextManager]  # capture(graph, pool=...)
+    new_pool: Callable[[], Any]
+
+
+def capture_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 256, every 16 beyond: padding wastes at most a few rows per step."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, max_batch_size + 1, 16))
+    sizes = [s for s in sizes if s < max_batch_size]
+    return sizes + [max_batch_size]
+
+
+class DecodeGraphRunner:
+    def __init__(self, runner: ModelRunner, api: GraphAPI, max_batch_size: int):
+        # Built before the KV pool exists (so that `reserved_bytes` can shrink it); `capture` runs once it does.
+        self.runner = runner
+        self.api = api
+        self.batch_sizes = capture_batch_sizes(max_batch_size)
+        self.max_batch_size = max_batch_size
+        self.graphs: dict[int, tuple[Any, torch.Tensor, ForwardBatch]] = {}
+
+    def reserved_bytes(self) -> int:
+        """Device memory the captured graphs' pool will hold (activations of the largest batch, logits included),
+        taken out of the KV budget before the pool is sized. An estimate with a 2x margin, plus workspaces."""
+        shape, bs = self.runner.shape, self.max_batch_size
+        item = self.runner.dtype.itemsize
+        per_token = (
+            shape.vocab_size * (item + 4)  # logits, and a float32 copy the sampler may make
+            + 4 * shape.intermediate_size * item  # gate|up and its activation
+            + 12 * shape.hidden_size * item  # hidden, residual, norms, attention in/out
+            + 3 * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * item  # qkv, rotated q/k
+            + shape.num_heads * 32 * (shape.head_dim + 1) * 4  # split-K partials of a decode kernel
+        )
+        return 2 * bs * per_token + (256 << 20)
+
+    # --- capture ---
+    def capture(self, progress: bool = True) -> None:
+        backend = self.runner.attention
+        if not backend.supports_graph:
+            logger.warning("attention backend %s cannot run in a graph: decode runs eagerly", backend.name)
+            self.batch_sizes = []
+            return
+        device, max_bs = self.runner.device, self.max_batch_size
+        self.static = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            req_pool_indices=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+            out_cache_loc=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            seq_lens_cpu=torch.ones(max_bs, dtype=torch.int32),
+            extend_prefix_lens_cpu=torch.zeros(max_bs, dtype=torch.int32),
+            extend_seq_lens_cpu=torch.ones(max_bs, dtype=torch.int32),
+        )
+        backend.init_graph_state(max_bs)
+        platform = self.runner.platform
+        free_before = platform.memory_info(self.runner.config.device_index)[0]
+        start = time.perf_counter()
+        pool = self.api.new_pool()
+        sizes = sorted(self.batch_sizes, reverse=True)  # largest first: smaller graphs reuse its pool memory
+        if progress:
+            from tqdm.auto import tqdm
+
+            sizes = tqdm(sizes, desc="capturing decode graphs", unit="graph")
+        with torch.inference_mode():
+            for bs in sizes:
+                batch = self._static_batch(bs)
+                backend.init_forward_metadata_capture(batch)
+                for _ in range(2):  # warm up outside the graph: lazy init, autotuning, workspace allocation
+                    self.runner.run_model(batch)
+                platform.synchronize()
+                graph = self.api.new_graph()
+                with self.api.capture(graph, pool=pool):
+                    logits = self.runner.run_model(batch)
+                self.graphs[bs] = (graph, logits, batch)
+        platform.synchronize()
+        used = free_before - platform.memory_info(self.runner.config.device_index)[0]
+        logger.info(
+            "captured %d decode graphs (batch sizes %d..%d) in %.1f s, using %.0f MiB (%.0f MiB reserved)",
+            len(self.graphs),
+            min(self.graphs),
+            max(self.graphs),
+            time.perf_counter() - start,
+            used / 2**20,
+            self.reserved_bytes() / 2**20,
+        )
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        s = self.static
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=s.input_ids[:bs],
+            positions=s.positions[:bs],
+            req_pool_indices=s.req_pool_indices[:bs],
+            seq_lens=s.seq_lens[:bs],
+            out_cache_loc=s.out_cache_loc[:bs],
+            seq_lens_cpu=s.seq_lens_cpu[:bs],
+            extend_prefix_lens_cpu=s.extend_prefix_lens_cpu[:bs],
+            extend_seq_lens_cpu=s.extend_seq_lens_cpu[:bs],
+        )
+
+    # --- replay ---
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.mode is ForwardMode.DECODE and bool(self.graphs) and batch.batch_size <= self.max_batch_size
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        bs = batch.batch_size
+        padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        s = self.static
+        s.input_ids[:bs].copy_(batch.input_ids)
+        s.positions[:bs].copy_(batch.positions)
+        s.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+        if padded > bs:
+            # Dummy rows: token 0 at position 0 of request row 0, one token long, writing the padding slot.
+            s.input_ids[bs:padded].zero_()
+            s.positions[bs:padded].zero_()
+            s.out_cache_loc[bs:padded].zero_()
+        graph, logits, static_batch = self.graphs[padded]
+        # The backend copies rows and lengths into its own static metadata (and pads them the same way).
+        self.runner.attention.init_forward_metadata_replay(batch, padded)
+        graph.replay()
+        return logits[:bs]

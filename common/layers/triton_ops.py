@@ -1,0 +1,353 @@
+"""Triton kernels for the fused ops: rmsnorm (with the residual add), rotary embedding, silu-and-mul.
+
+Each follows its torch-native reference in `native_ops` step for step (float32 where the reference computes in
+float32, a rounding to the activation dtype wherever the reference rounds), so bf16 results agree bit for bit
+except where the reference's own float32 reduction order decides a rounding. They are memory-bound: each reads its
+inputs once and writes its outputs once.
+
+Importing this module imports triton; only a platform whose capabilities say `supports_triton` imports it.
+Inputs are [rows, features] tensors whose last dimension is contiguous (rows may be strided); other layouts and
+dtypes the kernels do not handle go through the references.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from omnirun.layers import native_ops
+
+
+def _interpreted() -> bool:
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the variable directly
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+# Under TRITON_INTERPRET (tests on a host without a GPU) kernels run through numpy, which has no libdevice and
+# truncates float32 -> bfloat16 casts; the helpers below take a numpy-safe path there and only there.
+_INTERPRETED = tl.constexpr(_interpreted())
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """float32 `x` rounded to nearest-even in `dtype` (the rounding torch applies when it stores a result)."""
+    if _INTERPRETED and dtype == tl.bfloat16:
+        # The interpreter's cast truncates: round by hand (NaN payloads may change, which no test relies on).
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def _exp(x):
+    """exp as torch's GPU kernels compute it (the vendor math library, not triton's faster approximation)."""
+    if _INTERPRETED:
+        y = tl.exp(x)
+    else:
+        y = libdevice.exp(x)
+    return y
+
+
+@triton.jit
+def _rsqrt(x):
+    """rsqrt as torch's GPU kernels compute it (the vendor math library's rsqrtf)."""
+    if _INTERPRETED:
+        y = tl.math.rsqrt(x)
+    else:
+        y = libdevice.rsqrt(x)
+    return y
+
+
+# Torch runs the reference as separate kernels, each rounding its result; letting the compiler fuse a multiply
+# and an add into one FMA would skip a rounding and break bit-exactness. Every launch passes this.
+_LAUNCH = {"enable_fp_fusion": False}
+
+
+def _num_warps(elements: int) -> int:
+    """Warps for a program touching `elements` values: enough threads to keep loads vectorised, few registers each."""
+    if elements <= 2048:
+        return 4
+    if elements <= 8192:
+        return 8
+    return 16
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as [rows, features] with a contiguous last dimension: a view where possible, else a contiguous copy."""
+    if t.dim() == 2 and t.stride(-1) == 1 and t.stride(0) >= t.shape[1]:
+        return t
+    return t.contiguous().view(-1, t.shape[-1])
+
+
+# --- rmsnorm ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["rows"])  # the batch size changes every step: one compiled kernel for all
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    summed_ptr,
+    rows,
+    n,
+    x_stride,
+    residual_stride,
+    out_stride,
+    summed_stride,
+    inv_n,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
+    col = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (col < n)
+    x = tl.load(x_ptr + row * x_stride + col, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_stride + col, mask=mask, other=0.0)
+        x = _round(x.to(tl.float32) + residual.to(tl.float32), summed_ptr.dtype.element_ty)
+        tl.store(summed_ptr + row * summed_stride + col, x, mask=mask)
+    x32 = x.to(tl.float32)
+    # mean as torch's GPU reduction takes it: the sum times 1/n (padding lanes add zeros).
+    mean_square = tl.sum(x32 * x32, axis=1) * inv_n
+    normed = _round(x32 * _rsqrt(mean_square + eps)[:, None], x.dtype)
+    weight = tl.load(weight_ptr + col, mask=col < n, other=0.0)
+    out = _round(normed.to(tl.float32) * weight.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + col, out, mask=mask)
+
+
+def _launch_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    summed: torch.Tensor | None,
+    eps: float,
+) -> None:
+    rows, n = x.shape
+    if rows == 0:
+        return
+    block = triton.next_power_of_2(n)
+    # Short rows (per-head q/k norms) are packed several to a program so each program still moves ~2K values.
+    block_rows = max(1, 2048 // block)
+    has_residual = residual is not None
+    _rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
+        x,
+        residual if has_residual else x,
+        weight,
+        out,
+        summed if has_residual else out,
+        rows,
+        n,
+        x.stride(0),
+        residual.stride(0) if has_residual else 0,
+        out.stride(0),
+        summed.stride(0) if has_residual else 0,
+        1.0 / n,
+        eps,
+        HAS_RESIDUAL=has_residual,
+        BLOCK_ROWS=block_rows,
+        BLOCK=block,
+        num_warps=_num_warps(block_rows * block),
+        **_LAUNCH,
+    )
+
+
+def _kernel_can_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dtype in _KERNEL_DTYPES and weight.dtype in _KERNEL_DTYPES and weight.is_contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension: the statistic in float32, the normalised value rounded to x's
+    dtype, then multiplied by the weight (in the dtype torch promotes x and weight to), as `native_ops.rms_norm`."""
+    if not _kernel_can_norm(x, weight):
+        return native_ops.rms_norm(x, weight, eps)
+    rows = _as_rows(x)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _launch_rms_norm(rows, None, weight, out, None, eps)
+    return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass, the sum rounded to the dtype as the reference does.
+
+    In place: the sum is written into `residual`'s memory and the normalised output into `x`'s (callers never
+    reuse either input), so the returned tensors are `x` and `residual` themselves where their dtype and layout
+    allow; otherwise new tensors.
+    """
+    if not _kernel_can_norm(x, weight) or residual.dtype != x.dtype or residual.shape != x.shape:
+        return native_ops.add_rms_norm(x, residual, weight, eps)
+    x_rows, residual_rows = _as_rows(x), _as_rows(residual)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    # Each program reads its rows whole before writing them, so writing over the inputs is safe; but `x` and
+    # `residual` being one tensor would make both outputs land in the same memory.
+    distinct = x_rows.data_ptr() != residual_rows.data_ptr()
+    out = x_rows if out_dtype == x.dtype and distinct else torch.empty(x_rows.shape, dtype=out_dtype, device=x.device)
+    _launch_rms_norm(x_rows, residual_rows, weight, out, residual_rows, eps)
+    return out.view(x.shape), residual_rows.view(x.shape)
+
+
+# --- silu and mul ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < d
+    gate = tl.load(x_ptr + row * x_stride + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + d + col, mask=mask, other=0.0)
+    # silu in float32 as torch's kernel (x / (1 + exp(-x)), IEEE division), rounded; then the product, rounded.
+    act = _round(tl.math.div_rn(gate, 1.0 + _exp(-gate)), up.dtype)
+    out = _round(act.to(tl.float32) * up.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + col, out, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dimension, as `native_ops.silu_and_mul`."""
+    if x.dtype not in _KERNEL_DTYPES or x.shape[-1] % 2:
+        return native_ops.silu_and_mul(x)
+    rows = _as_rows(x)
+    tokens, d = rows.shape[0], rows.shape[1] // 2
+    out = torch.empty((tokens, d), dtype=x.dtype, device=x.device)
+    if tokens and d:
+        # Column tiles keep a program's registers bounded for wide MLPs (d = 14336 and more).
+        block = min(triton.next_power_of_2(d), 2048)
+        _silu_and_mul_kernel[(tokens, triton.cdiv(d, block))](
+            rows, out, d, rows.stride(0), out.stride(0), BLOCK=block, num_warps=_num_warps(block), **_LAUNCH
+        )
+    return out.view(*x.shape[:-1], d)
+
+
+# --- rotary embedding ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(row_ptr, heads, first_head, cos, sin, d, d_mask, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+    """Rotate heads [first_head, first_head + BLOCK_HEADS) of one token's row in place (NeoX: half against half)."""
+    dtype = row_ptr.dtype.element_ty
+    head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
+    mask = (head < heads) & d_mask
+    first_ptr = row_ptr + head * (2 * HALF) + d
+    x1 = tl.load(first_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    # x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2 | x1]: each product rounded, then the sum.
+    out1 = _round(_round(x1 * cos, dtype).to(tl.float32) - _round(x2 * sin, dtype).to(tl.float32), dtype)
+    out2 = _round(_round(x2 * cos, dtype).to(tl.float32) + _round(x1 * sin, dtype).to(tl.float32), dtype)
+    tl.store(first_ptr, out1, mask=mask)
+    tl.store(first_ptr + HALF, out2, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    q_stride,
+    k_stride,
+    cache_stride,
+    q_heads,
+    k_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
+    # One program per (token, chunk of heads): the chunk's q heads and its k heads (masked past their counts).
+    token = tl.program_id(0).to(tl.int64)
+    first_head = tl.program_id(1) * BLOCK_HEADS
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = d < HALF
+    # The reference casts the float32 table to the activation dtype before rotating.
+    dtype = q_ptr.dtype.element_ty
+    cos = _round(tl.load(cache_ptr + position * cache_stride + d, mask=d_mask, other=0.0), dtype).to(tl.float32)
+    sin = _round(tl.load(cache_ptr + position * cache_stride + HALF + d, mask=d_mask, other=0.0), dtype)
+    sin = sin.to(tl.float32)
+    _rotate_heads(q_ptr + token * q_stride, q_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
+    _rotate_heads(k_ptr + token * k_stride, k_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [tokens, heads*head_dim] and k [tokens, kv_heads*head_dim] by their positions (NeoX layout),
+    in place, and return them, with the roundings of `native_ops.rotary_embedding`.
+
+    q and k may be row views of a fused qkv output (row stride larger than the row; last dimension contiguous).
+    `cos_sin_cache` is float32 [max_positions, head_dim] (cos of the head_dim/2 frequencies, then their sin);
+    every position must be below max_positions (not checked: that would cost a device sync).
+    """
+    usable = (
+        positions.dim() == 1
+        and positions.is_contiguous()
+        and q.dtype in _KERNEL_DTYPES
+        and k.dtype == q.dtype
+        and q.dim() == 2
+        and k.dim() == 2
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and cos_sin_cache.stride(-1) == 1
+        and head_dim % 2 == 0
+    )
+    if not usable:
+        rotated_q, rotated_k = native_ops.rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
+        q.copy_(rotated_q.view(q.shape))
+        k.copy_(rotated_k.view(k.shape))
+        return q, k
+    tokens = q.shape[0]
+    if tokens == 0:
+        return q, k
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    # Heads go in chunks of up to ~2K values per program: bounded registers, and more programs for small batches.
+    block_heads = max(1, min(triton.next_power_of_2(max(q_heads, k_heads)), 2048 // block_half))
+    _rotary_kernel[(tokens, triton.cdiv(max(q_heads, k_heads), block_heads))](
+        positions,
+        q,
+        k,
+        cos_sin_cache,
+        q.stride(0),
+        k.stride(0),
+        cos_sin_cache.stride(0),
+        q_heads,
+        k_heads,
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_HEADS=block_heads,
+        num_warps=_num_warps(block_heads * block_half),
+        **_LAUNCH,
+    )
+    return q, k
+
+
+def triton_fused_ops() -> dict[str, Callable[..., Any]]:
+    """The op table entries these kernels provide, for a platform's `fused_ops()`."""
+    return {
+        "rms_norm": rms_norm,
+        "add_rms_norm": add_rms_norm,
+        "silu_and_mul": silu_and_mul,
+        "rotary_embedding": rotary_embedding,
+    }

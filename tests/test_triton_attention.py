@@ -1,0 +1,247 @@
+"""The Triton attention backend against torch_native (the reference) on the same batches and KV cache.
+
+Without a GPU the kernels run in the Triton interpreter (on CPU tensors), so sizes stay tiny; small tiles and few
+splits make even short sequences walk several key blocks and splits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Before anything imports triton: @triton.jit picks the interpreter when the kernels are defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses  # noqa: E402
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the Triton attention backend needs it")
+
+from omnirun.attention.backend import AttentionContext, AttentionLayerSpec  # noqa: E402
+from omnirun.attention.registry import attention_factories, portable_backends  # noqa: E402
+from omnirun.attention.torch_native import TorchNativeAttention  # noqa: E402
+from omnirun.attention.triton_backend import TritonAttention  # noqa: E402
+from omnirun.batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
+from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool  # noqa: E402
+from omnirun.platform import Capabilities  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CONTEXT_LEN = 192
+FP8 = torch.float8_e4m3fn
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _fix_interpreter_for_numpy_2_4() -> None:
+    """triton 3.6's interpreter turns 1-element arrays into loop bounds with int(), which numpy >= 2.4 rejects
+    (triton-lang/triton#9171); `range(lo, hi, ...)` over loaded values then fails. Convert with .item()."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_omnirun_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._omnirun_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton.knobs.runtime.interpret:
+    _fix_interpreter_for_numpy_2_4()
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    page_size: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    window: int | None
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    num_splits: int = 16
+    block: int | None = None  # extend tile (BLOCK_M = BLOCK_N); None: the backend's default
+
+    def __str__(self) -> str:
+        kv = "fp8" if self.kv_dtype == FP8 else str(self.kv_dtype).removeprefix("torch.")
+        return (
+            f"ps{self.page_size}-d{self.head_dim}-h{self.num_heads}/{self.num_kv_heads}-w{self.window}-"
+            f"{str(self.q_dtype).removeprefix('torch.')}-kv_{kv}-s{self.num_splits}-b{self.block}"
+        )
+
+
+# Page sizes 1/16, head dims 64/128 (and 96, not a power of two), GQA ratios 1/4/7 (7: Qwen2.5-0.5B's 14/2),
+# sliding window on/off, float32/bfloat16 queries, fp8 e4m3 storage.
+CASES = [
+    Case(1, 64, 2, 2, None, torch.float32, torch.float32, num_splits=3, block=16),
+    Case(16, 128, 4, 1, None, torch.bfloat16, torch.bfloat16, block=32),
+    Case(16, 64, 14, 2, 9, torch.float32, torch.float32, num_splits=4, block=16),
+    Case(1, 128, 14, 2, None, torch.bfloat16, FP8),
+    Case(16, 64, 4, 1, 20, torch.bfloat16, FP8, num_splits=2, block=16),
+    Case(1, 64, 8, 2, 33, torch.float32, FP8, block=32),
+    Case(16, 96, 4, 2, None, torch.float32, torch.float32, num_splits=5, block=16),
+]
+
+
+def make_setup(case: Case, seed: int) -> tuple[KVMemory, AttentionContext, AttentionLayerSpec]:
+    """A one-layer paged KV cache whose every slot but the padding page holds random K/V."""
+    torch.manual_seed(seed)
+    num_pages = 1200 // case.page_size
+    num_slots = (num_pages + 1) * case.page_size
+    cache = PagedKVCache(1, num_slots, case.num_kv_heads, case.head_dim, case.kv_dtype, DEVICE, case.page_size)
+    for buf in cache.k_buffers + cache.v_buffers:
+        buf[case.page_size :] = torch.randn(num_slots - case.page_size, case.num_kv_heads, case.head_dim).to(buf)
+    kv = KVMemory(
+        PageAllocator(num_pages, case.page_size), ReqToTokenPool(6, CONTEXT_LEN, DEVICE), cache, case.page_size
+    )
+    context = AttentionContext(
+        kv, DEVICE, case.q_dtype, case.num_heads, case.num_kv_heads, case.head_dim, max_context_len=CONTEXT_LEN
+    )
+    scaling = 0.8 / case.head_dim**0.5
+    layer = AttentionLayerSpec(0, case.num_heads, case.num_kv_heads, case.head_dim, scaling, case.window)
+    return kv, context, layer
+
+
+def fill_prefixes(kv: KVMemory, prefix_lens: list[int]) -> list[int]:
+    """New requests holding `prefix_lens` cached tokens, allocated round-robin in chunks so their pages interleave."""
+    rows = [kv.new_request() for _ in prefix_lens]
+    held = [0] * len(rows)
+    while held != prefix_lens:
+        for i, row in enumerate(rows):
+            end = min(prefix_lens[i], held[i] + 7)
+            if end > held[i]:
+                kv.alloc_tokens([row], [held[i]], [end])
+                held[i] = end
+    return rows
+
+
+def qkv(case: Case, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = torch.randn(num_tokens, case.num_heads * case.head_dim, device=DEVICE).to(case.q_dtype)
+    k = torch.randn(num_tokens, case.num_kv_heads * case.head_dim, device=DEVICE).to(case.q_dtype)
+    v = torch.randn(num_tokens, case.num_kv_heads * case.head_dim, device=DEVICE).to(case.q_dtype)
+    return q, k, v
+
+
+def run(backend, q, k, v, layer, batch) -> torch.Tensor:
+    backend.init_forward_metadata(batch)
+    return backend.forward(q, k, v, layer, batch)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, case: Case) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[case.q_dtype], rtol=TOLERANCE[case.q_dtype])
+
+
+def triton_backend(context: AttentionContext, case: Case) -> TritonAttention:
+    return TritonAttention(context, case.num_splits, extend_block_m=case.block, extend_block_n=case.block)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_decode_matches_torch_native(case):
+    kv, context, layer = make_setup(case, seed=1)
+    rng = random.Random(case.head_dim + case.num_heads)
+    # A request with nothing cached (one key: itself), short ones and ones long enough for several splits.
+    prefix_lens = [0, rng.randint(1, 12), rng.randint(40, 90), rng.randint(130, 180)]
+    rows = fill_prefixes(kv, prefix_lens)
+    batch = build_batch(kv, rows, prefix_lens, [[1]] * len(rows), DEVICE)
+    assert batch.mode is ForwardMode.DECODE
+    q, k, v = qkv(case, batch.num_tokens)
+    want = run(TorchNativeAttention(context), q, k, v, layer, batch)
+    got = run(triton_backend(context, case), q, k, v, layer, batch)
+    assert_close(got, want, case)
+
+
+@pytest.mark.parametrize("with_prefix", [False, True], ids=["no_prefix", "prefix"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_extend_matches_torch_native(case, with_prefix):
+    kv, context, layer = make_setup(case, seed=2)
+    rng = random.Random(case.head_dim * 3 + case.num_heads + with_prefix)
+    extend_lens = [rng.randint(20, 45), 1, rng.randint(2, 17)]
+    prefix_lens = [rng.randint(1, 70), rng.randint(0, 40), 0] if with_prefix else [0, 0, 0]
+    rows = fill_prefixes(kv, prefix_lens)
+    new_tokens = [[1] * n for n in extend_lens]
+    batch = build_batch(kv, rows, prefix_lens, new_tokens, DEVICE)
+    assert batch.mode is ForwardMode.EXTEND
+    q, k, v = qkv(case, batch.num_tokens)
+    want = run(TorchNativeAttention(context), q, k, v, layer, batch)
+    got = run(triton_backend(context, case), q, k, v, layer, batch)
+    assert_close(got, want, case)
+
+
+def padded(batch: ForwardBatch, size: int) -> ForwardBatch:
+    """The batch grown to `size` the way a graph runner pads it: row 0, one key, writes to padding slot 0."""
+    pad = size - batch.batch_size
+
+    def grow(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t, torch.full((pad,), value, dtype=t.dtype, device=t.device)])
+
+    return dataclasses.replace(
+        batch,
+        input_ids=grow(batch.input_ids, 0),
+        positions=grow(batch.positions, 0),
+        req_pool_indices=grow(batch.req_pool_indices, 0),
+        seq_lens=grow(batch.seq_lens, 1),
+        out_cache_loc=grow(batch.out_cache_loc, 0),
+        seq_lens_cpu=grow(batch.seq_lens_cpu, 1),
+        extend_prefix_lens_cpu=grow(batch.extend_prefix_lens_cpu, 0),
+        extend_seq_lens_cpu=grow(batch.extend_seq_lens_cpu, 1),
+    )
+
+
+def test_graph_replay_with_padding_matches_eager():
+    case = Case(16, 64, 8, 2, None, torch.float32, torch.float32, num_splits=4)
+    kv, context, layer = make_setup(case, seed=3)
+    backend = triton_backend(context, case)
+    backend.init_graph_state(max_batch_size=8)
+    graph_size = 5
+    reference = TorchNativeAttention(context)
+
+    prefix_lens = [70, 3, 150]
+    rows = fill_prefixes(kv, prefix_lens)
+    # Capture: the metadata points at the static buffers, which hold harmless placeholders until a replay.
+    capture_batch = padded(build_batch(kv, [kv.new_request()], [0], [[1]], DEVICE), graph_size)
+    backend.init_forward_metadata_capture(capture_batch)
+    captured = backend._decode
+    q, k, v = qkv(case, graph_size)
+    assert torch.isfinite(backend.forward(q, torch.zeros_like(k), torch.zeros_like(v), layer, capture_batch)).all()
+    static_ptrs = [t.data_ptr() for t in (captured.req_rows, captured.seq_lens, captured.part_out, captured.part_lse)]
+
+    held = dict(zip(rows, prefix_lens, strict=True))
+    for step_rows in (rows, rows[1:]):  # a second, smaller replay must overwrite the first's metadata in place
+        lens = [held[row] for row in step_rows]
+        batch = build_batch(kv, step_rows, lens, [[1]] * len(step_rows), DEVICE)
+        held.update({row: n + 1 for row, n in zip(step_rows, lens, strict=True)})
+        q, k, v = qkv(case, batch.batch_size)
+        want = run(reference, q, k, v, layer, batch)
+
+        backend.init_forward_metadata_replay(batch, graph_size)
+        meta = backend._decode
+        assert [t.data_ptr() for t in (meta.req_rows, meta.seq_lens, meta.part_out, meta.part_lse)] == static_ptrs
+        num_pad = graph_size - batch.batch_size
+        assert meta.req_rows.tolist() == step_rows + [0] * num_pad
+        assert meta.seq_lens.tolist() == [n + 1 for n in lens] + [1] * num_pad
+        q_pad, k_pad, v_pad = (torch.cat([t, torch.zeros(num_pad, t.shape[1], device=DEVICE)]) for t in (q, k, v))
+        got = backend.forward_decode(q_pad, k_pad, v_pad, layer, padded(batch, graph_size))
+        assert torch.isfinite(got).all()
+        assert_close(got[: batch.batch_size], want, case)
+
+
+def test_registry_offers_triton_only_where_capabilities_say_so():
+    def caps(triton_ok: bool) -> Capabilities:
+        return Capabilities("test", (torch.float32,), None, None, supports_triton=triton_ok, graph_capture=None)
+
+    assert portable_backends(caps(True)) == ("triton", "torch_native")
+    assert portable_backends(caps(False)) == ("torch_native",)
+    case = CASES[0]
+    _, context, _ = make_setup(case, seed=4)
+    factories = attention_factories({})
+    assert isinstance(factories["triton"](context), TritonAttention)
+    assert isinstance(factories["torch_native"](context), TorchNativeAttention)
+    assert TritonAttention.supports_graph
