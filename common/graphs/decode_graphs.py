@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -95,17 +96,16 @@ class DecodeGraphRunner:
             from tqdm.auto import tqdm
 
             sizes = tqdm(sizes, desc="capturing decode graphs", unit="graph")
-        with torch.inference_mode():
-            for bs in sizes:
-                batch = self._static_batch(bs)
-                backend.init_forward_metadata_capture(batch)
-                for _ in range(2):  # warm up outside the graph: lazy init, autotuning, workspace allocation
-                    self.runner.run_model(batch)
-                platform.synchronize()
-                graph = self.api.new_graph()
-                with self.api.capture(graph, pool=pool):
-                    logits = self.runner.run_model(batch)
-                self.graphs[bs] = (graph, logits, batch)
+        # A garbage collection inside a capture may destroy an unreachable old runner's graphs, and destroying a
+        # graph while another is being captured invalidates that capture: collect now, and not during capture.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all(sizes, pool)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         platform.synchronize()
         used = free_before - platform.memory_info(self.runner.config.device_index)[0]
         logger.info(
@@ -117,6 +117,20 @@ class DecodeGraphRunner:
             used / 2**20,
             self.reserved_bytes() / 2**20,
         )
+
+    def _capture_all(self, sizes: Iterable[int], pool: Any) -> None:
+        backend, platform = self.runner.attention, self.runner.platform
+        with torch.inference_mode():
+            for bs in sizes:
+                batch = self._static_batch(bs)
+                backend.init_forward_metadata_capture(batch)
+                for _ in range(2):  # warm up outside the graph: lazy init, kernel compilation, workspaces
+                    self.runner.run_model(batch)
+                platform.synchronize()
+                graph = self.api.new_graph()
+                with self.api.capture(graph, pool=pool):
+                    logits = self.runner.run_model(batch)
+                self.graphs[bs] = (graph, logits, batch)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         s = self.static

@@ -87,7 +87,7 @@ def test_logits_close_to_hf_on_a_real_shape(cuda, preset):
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(preset_config(preset), dtype=torch.bfloat16).eval()
     runner = make_runner(
-        cuda, preset, load_format="dummy", dtype="bfloat16", mem_fraction_static=0.5, max_running_requests=4
+        cuda, preset, load_format="dummy", dtype="bfloat16", context_length=1024, max_running_requests=4
     )
     runner.update_weights_from_tensor(
         (name, t) for name, t in hf.state_dict().items() if runner.model.checkpoint_target(name) is not None
