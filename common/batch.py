@@ -84,16 +84,22 @@ def build_batch(
     if out_cache_loc is None:
         return None
     positions = torch.cat([torch.arange(start, end) for start, end in zip(prefix_lens, ends, strict=True)])
-    flat_ids = [token for ids in new_token_ids for token in ids]
+    flat_ids = torch.tensor([token for ids in new_token_ids for token in ids], dtype=torch.int64)
+    rows_t = torch.tensor(rows, dtype=torch.int64)
     seq_lens_cpu = torch.tensor(ends, dtype=torch.int32)
+    # One host-to-device copy for every per-token and per-request tensor of the step, then views of it.
+    host = torch.cat([flat_ids, positions, out_cache_loc, rows_t, seq_lens_cpu.long()])
+    device_ints = host.to(device, non_blocking=True)
+    tokens, n = flat_ids.numel(), len(rows)
+    input_ids, positions_d, out_loc, rows_d, seq_lens_d = device_ints.split([tokens, tokens, tokens, n, n])
     mode = ForwardMode.DECODE if max(extend_lens) == 1 and not return_full_logits else ForwardMode.EXTEND
     return ForwardBatch(
         mode=mode,
-        input_ids=torch.tensor(flat_ids, dtype=torch.int64).to(device, non_blocking=True),
-        positions=positions.to(device, non_blocking=True),
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
-        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
-        out_cache_loc=out_cache_loc.to(device, non_blocking=True),
+        input_ids=input_ids,
+        positions=positions_d,
+        req_pool_indices=rows_d,
+        seq_lens=seq_lens_d.int(),
+        out_cache_loc=out_loc,
         seq_lens_cpu=seq_lens_cpu,
         extend_prefix_lens_cpu=torch.tensor(prefix_lens, dtype=torch.int32),
         extend_seq_lens_cpu=torch.tensor(extend_lens, dtype=torch.int32),

@@ -196,6 +196,9 @@ class ModelRunner:
         self, logits: torch.Tensor, params: Sequence[SamplingParams], token_index: Sequence[int]
     ) -> SampleOutput:
         """Next token per request; token_index[i] counts request i's output tokens so far (seeded sampling)."""
+        if all(p.greedy and p.logprobs is None for p in params):
+            # The common serving case needs no per-request tensors at all (each would be a host-to-device copy).
+            return SampleOutput(token_ids=self.sampler.greedy(logits))
         batch = SamplingBatch.build(params, token_index, logits.device, vocab_size=logits.shape[-1])
         return self.sampler(logits, batch)
 

@@ -112,10 +112,14 @@ class SampleOutput:
 class Sampler:
     """Samples one token per row of a [B, V] logits tensor according to a SamplingBatch."""
 
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> torch.Tensor:
+        """Exactly argmax of the raw logits (the first of equal maxima, as HF generate picks). max() gives the same
+        index and is several times faster than argmax() on bf16 CPU tensors."""
+        return logits.max(dim=-1).indices
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        # Greedy is exactly argmax of the raw logits (the first of equal maxima, as HF generate picks). max() gives
-        # the same index and is several times faster than argmax() on bf16 CPU tensors.
-        token_ids = logits.max(dim=-1).indices
+        token_ids = self.greedy(logits)
         if not batch.all_greedy:
             probs = self._filtered_probs(logits, batch)
             sampled = (probs / self._exponentials(probs, batch)).argmax(dim=-1)
