@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from omnirun.batch import ForwardMode
 from omnirun.engine.request import FinishReason, Request
 from omnirun.engine.scheduler import ScheduledStep, Scheduler
 from omnirun.errors import ConfigError
@@ -73,7 +74,7 @@ class Engine:
         start = time.perf_counter()
         logits = self.runner.forward(step.batch)
         updated = self._sample_and_append(step, logits)
-        if step.batch.mode.value == "decode":
+        if step.batch.mode is ForwardMode.DECODE:
             self.decode_steps.append(
                 (time.perf_counter() - start, step.batch.batch_size, int(step.batch.seq_lens_cpu.sum()))
             )
