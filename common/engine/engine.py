@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections.abc import Sequence
@@ -40,8 +41,9 @@ class Engine:
             chunked_prefill_size=min(chunked_prefill_size or max_prefill, max_prefill),
         )
         self._ids = itertools.count()
-        # Decode-step timings (seconds, batch size, tokens in the KV cache read), for `omnirun bench`.
-        self.decode_steps: list[tuple[float, int, int]] = []
+        # The latest decode steps' (seconds, batch size, tokens in the KV cache read), for `omnirun bench`; bounded so
+        # that a long-lived engine does not grow without end.
+        self.decode_steps: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=100_000)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
         prompt_ids = [int(t) for t in prompt_ids]

@@ -59,27 +59,13 @@ def rotary_embedding(
 
     `cos_sin_cache` is float32 [max_positions, head_dim] holding cos of the head_dim/2 frequencies, then their sin.
     """
-    cos, sin = _cos_sin(positions, cos_sin_cache, q.dtype)
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    # HF builds cos/sin for the full head as [f | f], casts them to the activation dtype, then rotates in it.
+    cos = torch.cat((cos, cos), dim=-1).to(q.dtype).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).to(q.dtype).unsqueeze(1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x = x.view(x.shape[0], -1, head_dim)
         return ((x * cos) + (_rotate_half(x) * sin)).flatten(1)
 
     return rotate(q), rotate(k)
-
-
-# Every layer of a forward pass rotates by the same positions: expand their cos/sin once. The entry holds the
-# positions tensor itself (so its id cannot be reused) and its version (graph runners refill it in place).
-_cos_sin_memo: list = [None, None, None, None, None]  # positions, version, table, dtype, (cos, sin)
-
-
-def _cos_sin(positions: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    memo = _cos_sin_memo
-    if memo[0] is positions and memo[1] == positions._version and memo[2] is table and memo[3] == dtype:
-        return memo[4]
-    cos, sin = table[positions].chunk(2, dim=-1)
-    # HF builds cos/sin for the full head as [f | f], casts them to the activation dtype, then rotates in it.
-    cos = torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(1)
-    sin = torch.cat((sin, sin), dim=-1).to(dtype).unsqueeze(1)
-    memo[:] = [positions, positions._version, table, dtype, (cos, sin)]
-    return cos, sin
