@@ -10,6 +10,7 @@ device it is on: it reads the platform's capabilities and asks the platform for 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import socket
 from collections.abc import Iterable, Sequence
@@ -84,6 +85,8 @@ class ModelRunner:
                 local_rank=self.config.device_index,
                 init_method=f"tcp://127.0.0.1:{_free_port()}",
             )
+            # Leave it at exit: NCCL otherwise warns on every run that the group was never destroyed.
+            atexit.register(_leave_process_group)
 
     def _load_model(self) -> DecoderForCausalLM:
         ops = resolve_ops(self.platform.fused_ops())
@@ -261,6 +264,11 @@ class ModelRunner:
             "attention": self.attention.name,
             "graph_runner": type(self.graph_runner).__name__ if self.graph_runner else "eager",
         }
+
+
+def _leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:
