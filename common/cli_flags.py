@@ -36,11 +36,17 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
     for flag, kind, text in _VALUE_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=text)
     parser.add_argument("--disable-graph", action="store_true", default=None, help="run every step eagerly")
+    parser.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        default=None,
+        help="schedule each step only after the previous one finished (default: overlap where kernels run async)",
+    )
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flags the user gave (unset ones are left to the defaults), as LLM keyword arguments."""
-    names = ["device", "dtype", "load_format", "disable_graph"] + [
+    names = ["device", "dtype", "load_format", "disable_graph", "disable_overlap_schedule"] + [
         f.lstrip("-").replace("-", "_") for f, _, _ in _VALUE_FLAGS
     ]
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

@@ -52,6 +52,9 @@ class Capabilities:
     supports_triton: bool
     # The graph mechanism the device offers ("cuda_graph", "hip_graph", ...), None: eager only.
     graph_capture: str | None
+    # Kernels are queued and run while the host goes on (GPUs, NPUs): the engine then schedules the next step
+    # while the device runs this one. False where ops finish before they return (the host CPU).
+    async_execution: bool = False
 
     @property
     def bf16(self) -> bool:

@@ -1,12 +1,22 @@
-"""The engine loop: schedule a step, run it on the runner, sample, and apply stop rules."""
+"""The engine loop: schedule a step, run it on the runner, sample, and apply stop rules.
+
+With overlap scheduling (the default where the platform queues kernels asynchronously) a step is *launched* —
+forward pass and sampling queued on the device, its tokens copied to the host without waiting — and the previous
+step is *completed* while it runs: its tokens read, stop rules applied, the next step scheduled. The host's work
+then hides behind the device's. The next decode step reads each request's newest token where the sampler left it
+on the device; a request that turns out to have stopped gets one extra step whose token is dropped.
+"""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from omnirun.batch import ForwardMode
 from omnirun.engine.request import FinishReason, Request
@@ -19,6 +29,19 @@ from omnirun.sampling import SamplingParams
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A step queued on the device; its sampled tokens arrive in host memory once `done` has been reached."""
+
+    step: ScheduledStep
+    requests: list[Request]  # those that sample, in logits-row order
+    token_ids: torch.Tensor | None  # host tensors, filled by non-blocking copies
+    logprobs: torch.Tensor | None
+    top_logprob_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    done: Any  # a platform event recorded after the copies
+
+
 class Engine:
     def __init__(
         self,
@@ -28,6 +51,7 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         max_prefill_tokens: int | None = None,
         chunked_prefill_size: int | None = None,
+        overlap_schedule: bool | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -39,11 +63,19 @@ class Engine:
             max_running_requests=runner.kv.req_to_token.max_requests,
             max_prefill_tokens=max_prefill,
             chunked_prefill_size=min(chunked_prefill_size or max_prefill, max_prefill),
+            context_length=runner.context_length,
         )
+        # By default overlap only where kernels run asynchronously: on a synchronous device it hides nothing and
+        # costs a dropped step per stopped request.
+        self.overlap = runner.capabilities.async_execution if overlap_schedule is None else overlap_schedule
+        # Each request row's newest sampled token, on the device: what the next decode step feeds (overlap only).
+        self._row_tokens = torch.zeros(runner.kv.req_to_token.max_requests, dtype=torch.int64, device=runner.device)
+        self._in_flight: _Launched | None = None
         self._ids = itertools.count()
-        # The latest decode steps' (seconds, batch size, tokens in the KV cache read), for `omnirun bench`; bounded so
-        # that a long-lived engine does not grow without end.
+        # The latest decode steps' (seconds, batch size, tokens in the KV cache read), for `omnirun bench`: a step's
+        # time is from the previous step's completion to its own; bounded so a long-lived engine does not grow.
         self.decode_steps: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=100_000)
+        self._last_completion: tuple[float, ForwardMode] | None = None
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
         prompt_ids = [int(t) for t in prompt_ids]
@@ -66,36 +98,73 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     def step(self) -> list[Request]:
-        """Run one forward pass; returns the requests that received a token (finished ones included)."""
+        """Advance by one step; returns the requests that received a token (finished ones included)."""
         step = self.scheduler.schedule()
-        if step is None:
-            return []
-        start = time.perf_counter()
-        logits = self.runner.forward(step.batch)
-        updated = self._sample_and_append(step, logits)
-        if step.batch.mode is ForwardMode.DECODE:
-            self.decode_steps.append(
-                (time.perf_counter() - start, step.batch.batch_size, int(step.batch.seq_lens_cpu.sum()))
-            )
-        return updated
+        launched = self._launch(step) if step is not None else None
+        if not self.overlap:
+            return self._complete(launched)
+        previous, self._in_flight = self._in_flight, launched
+        return self._complete(previous)
 
-    def _sample_and_append(self, step: ScheduledStep, logits) -> list[Request]:
-        if not step.sampling:
-            return []
+    def _launch(self, step: ScheduledStep) -> _Launched:
+        """Queue the forward pass and sampling of `step` and the copy of its tokens to the host; wait for nothing."""
+        batch = step.batch
+        if self.overlap and step.feeds_sampled:
+            # Some tokens to feed may not have reached the host yet: take them all where the sampler left them.
+            batch.input_ids = self._row_tokens[batch.req_pool_indices]
+        logits = self.runner.forward(batch)
         requests = [step.requests[i] for i in step.sampling]
-        if len(step.sampling) != logits.shape[0]:
+        if not requests:
+            return _Launched(step, [], None, None, None, None, done=None)
+        if len(requests) != logits.shape[0]:
             logits = logits[step.sampling]
         params = [r.params for r in requests]
-        out = self.runner.sample(logits, params, [len(r.output_ids) for r in requests])
-        tokens = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
-        top_values = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        out = self.runner.sample(logits, params, [len(r.output_ids) + r.num_pending for r in requests])
+        for req in requests:
+            req.num_pending += 1
+        if self.overlap:
+            rows = batch.req_pool_indices
+            if len(requests) != batch.batch_size:
+                rows = rows[step.sampling]
+            self._row_tokens[rows] = out.token_ids
+        outputs = (out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
+        to_host = [None if t is None else t.to("cpu", non_blocking=True) for t in outputs]
+        done = self.runner.platform.event()
+        done.record()
+        return _Launched(step, requests, *to_host, done=done)
+
+    def _complete(self, launched: _Launched | None) -> list[Request]:
+        """Wait for a launched step's tokens, append them and apply the stop rules."""
+        if launched is None:
+            return []
+        updated: list[Request] = []
+        if launched.requests:
+            launched.done.synchronize()
+            updated = self._append_tokens(launched)
+        now, mode = time.perf_counter(), launched.step.batch.mode
+        if mode is ForwardMode.DECODE and self._last_completion is not None:
+            last_time, last_mode = self._last_completion
+            if last_mode is ForwardMode.DECODE:
+                batch = launched.step.batch
+                self.decode_steps.append((now - last_time, batch.batch_size, int(batch.seq_lens_cpu.sum())))
+        self._last_completion = (now, mode)
+        return updated
+
+    def _append_tokens(self, launched: _Launched) -> list[Request]:
+        tokens = launched.token_ids.tolist()
+        logprobs = launched.logprobs.tolist() if launched.logprobs is not None else None
+        top_ids = launched.top_logprob_ids.tolist() if launched.top_logprob_ids is not None else None
+        top_values = launched.top_logprobs.tolist() if launched.top_logprobs is not None else None
         now = time.perf_counter()
-        for i, (req, token) in enumerate(zip(requests, tokens, strict=True)):
+        updated = []
+        for i, (req, token) in enumerate(zip(launched.requests, tokens, strict=True)):
+            req.num_pending -= 1
+            if req.finished:
+                continue  # it stopped at an earlier step; this token was computed ahead of knowing that
+            updated.append(req)
             req.output_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -108,7 +177,7 @@ class Engine:
             if req.finished:
                 req.finish_time = now
                 self.scheduler.finish(req)
-        return requests
+        return updated
 
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.params
@@ -116,7 +185,7 @@ class Engine:
             req.finish_reason = FinishReason.STOP
         elif params.stop and self._cut_at_stop_string(req):
             req.finish_reason = FinishReason.STOP
-        elif len(req.output_ids) >= params.max_new_tokens or req.num_tokens >= self.runner.context_length:
+        elif req.length_reached(self.runner.context_length):
             req.finish_reason = FinishReason.LENGTH
 
     def _cut_at_stop_string(self, req: Request) -> bool:

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 _RUNNER_FLAGS = {field.name for field in dataclasses.fields(RunnerConfig)} - {"model"}
-_ENGINE_FLAGS = {"max_prefill_tokens", "chunked_prefill_size"}
+_ENGINE_FLAGS = {"max_prefill_tokens", "chunked_prefill_size", "disable_overlap_schedule"}
 
 
 @dataclasses.dataclass
@@ -38,7 +38,8 @@ class LLM:
     `model` is an HF model directory (or, with load_format="dummy", a preset name); None runs the small model
     embedded in the package (random weights: its text is nonsense). Other keyword arguments are the runner's and
     engine's flags: device, dtype, kv_cache_dtype, page_size, mem_fraction_static, max_total_tokens,
-    max_running_requests, attention_backend, load_format, seed, max_prefill_tokens, chunked_prefill_size, ...
+    max_running_requests, attention_backend, load_format, seed, max_prefill_tokens, chunked_prefill_size,
+    disable_overlap_schedule, ...
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **flags: Any):
@@ -53,6 +54,8 @@ class LLM:
             logger.info("no model given: running the embedded default model (random weights, nonsense text)")
         runner_flags = {k: v for k, v in flags.items() if k in _RUNNER_FLAGS}
         engine_flags = {k: v for k, v in flags.items() if k in _ENGINE_FLAGS}
+        if engine_flags.pop("disable_overlap_schedule", False):
+            engine_flags["overlap_schedule"] = False
         self.runner = ModelRunner(RunnerConfig(model=model, **runner_flags))
         self.tokenizer = _load_tokenizer(tokenizer or model)
         self.engine = Engine(

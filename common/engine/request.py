@@ -22,6 +22,9 @@ class Request:
     # KV state: its row in the KV memory (None while waiting) and how many of its tokens are cached there.
     row: int | None = None
     num_cached: int = 0
+    # Tokens sampled on the device that the host has not read yet: with overlap scheduling, the next step is
+    # scheduled while the previous one runs, so a request may be one or two tokens ahead of `output_ids`.
+    num_pending: int = 0
     finish_reason: FinishReason | None = None
     # Output text so far (kept only when a tokenizer is present) and where a stop string cut it.
     text: str = ""
@@ -45,6 +48,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def length_reached(self, context_length: int, ahead: int = 0) -> bool:
+        """Whether the output, with `ahead` more tokens (pending ones, say), ends the request by length."""
+        return len(self.output_ids) + ahead >= self.params.max_new_tokens or self.num_tokens + ahead >= context_length
 
 
 @dataclasses.dataclass

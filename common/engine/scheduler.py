@@ -7,6 +7,11 @@ Each step is one forward pass of one kind:
 Pages are allocated per step and freed when a request finishes. When a decode step does not fit in the pool, the
 most recently started requests are *preempted*: their pages are freed and they go back to the front of the queue,
 to be recomputed (prompt + what they had generated) when room returns. A request is never dropped or duplicated.
+
+With overlap scheduling the engine schedules a step while the previous one still runs, so a request may have
+tokens sampled on the device that the host has not read (`num_pending`). Such a request decodes on (the engine
+feeds its token on the device); it is neither scheduled past its length limit nor recomputed before its pending
+tokens arrive.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ class ScheduledStep:
     # Indices into `requests` (and rows of the logits) whose last position yields their next token: every request
     # of a decode step; in a prefill step, those whose whole sequence is now cached (not mid-way chunks).
     sampling: list[int]
+    # Every request feeds its newest sampled token (a decode step; a prefill of one-token prompts also runs in
+    # DECODE mode, but feeds prompt tokens).
+    feeds_sampled: bool = False
 
 
 class Scheduler:
@@ -39,12 +47,14 @@ class Scheduler:
         max_running_requests: int,
         max_prefill_tokens: int,
         chunked_prefill_size: int,
+        context_length: int,
     ):
         self.kv = kv
         self.device = device
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size
+        self.context_length = context_length
         self.waiting: collections.deque[Request] = collections.deque()
         # Requests holding KV rows, in the order they started (preemption takes from the end).
         self.running: list[Request] = []
@@ -63,6 +73,8 @@ class Scheduler:
             step = self._schedule_prefill() or self._schedule_decode()
             if step is not None:
                 return step
+            if any(r.num_pending for r in self.running) or any(r.num_pending for r in self.waiting):
+                return None  # a step in flight will finish or advance requests: wait for it before preempting
             # Nothing fits: half-prefilled prompts hold the pool. Free the latest started until the rest can go on
             # (the pool holds one request of the context length, so a request alone always fits).
             if not self.running:
@@ -79,8 +91,8 @@ class Scheduler:
         decoding = len(self.running) - len(midway)
         free_pages = self.kv.free_tokens // self.kv.page_size
         for req in midway + list(self.waiting):
-            if budget <= 0:
-                break
+            if budget <= 0 or req.num_pending:
+                break  # (a preempted request's last tokens are still on the device: recompute it once they arrive)
             take = min(req.num_tokens - req.num_cached, self.chunked_prefill_size, budget)
             pages = self._pages_for([*chosen, (req, take)])
             if req.row is None:
@@ -122,7 +134,13 @@ class Scheduler:
 
     # --- decode ---
     def _schedule_decode(self) -> ScheduledStep | None:
-        decoding = [r for r in self.running if r.num_cached == r.num_tokens - 1]
+        # Ready to decode: every known or pending token but the newest cached, and not at its length limit.
+        decoding = [
+            r
+            for r in self.running
+            if r.num_cached == r.num_tokens + r.num_pending - 1
+            and not r.length_reached(self.context_length, ahead=r.num_pending)
+        ]
         # Preempting the latest started until everyone left can take one more token.
         while decoding:
             batch = build_batch(
@@ -135,7 +153,7 @@ class Scheduler:
             if batch is not None:
                 for req in decoding:
                     req.num_cached += 1
-                return ScheduledStep(batch, decoding, list(range(len(decoding))))
+                return ScheduledStep(batch, decoding, list(range(len(decoding))), feeds_sampled=True)
             victim = self.running[-1]
             self.preempt(victim)
             if victim in decoding:
@@ -152,7 +170,10 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request) -> None:
-        """Release a finished request's pages and row."""
+        """Release a finished request's pages and row (or take it out of the queue, if it was preempted)."""
+        if req.row is None:
+            self.waiting.remove(req)
+            return
         self.kv.release(req.row)
         req.row = None
         self.running.remove(req)

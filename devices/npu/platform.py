@@ -56,6 +56,7 @@ class NpuPlatform(Platform):
             # compiler, and its kernels would live in this package.
             supports_triton=False,
             graph_capture="npu_graph",  # torch.npu.NPUGraph: capture and replay, as torch.cuda.CUDAGraph
+            async_execution=True,
         )
 
     @property

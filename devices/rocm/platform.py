@@ -64,6 +64,7 @@ class RocmPlatform(Platform):
             fp8_e5m2_dtype=fp8_e5m2,
             supports_triton=triton_installed(),
             graph_capture="hip_graph",
+            async_execution=True,
         )
 
     def fused_ops(self) -> dict[str, Callable[..., Any]]:

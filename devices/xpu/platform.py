@@ -51,6 +51,7 @@ class XpuPlatform(Platform):
             supports_triton=_intel_triton_installed(),
             # torch.xpu.XPUGraph arrived in torch 2.11; older XPU builds run eagerly.
             graph_capture="xpu_graph" if hasattr(torch.xpu, "XPUGraph") else None,
+            async_execution=True,
         )
 
     def memory_info(self, index: int | None = None) -> tuple[int, int]:

@@ -26,22 +26,28 @@ def _prompts(n: int, seed: int, max_len: int = 60) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
 
 
+# Overlap scheduling on and off, on every device (on a synchronous one it is forced on, to test its bookkeeping).
+overlap = pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+
+
+@overlap
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_greedy_equals_the_runner_reference(platform, tiny_checkpoints, page_size):
+def test_engine_greedy_equals_the_runner_reference(platform, tiny_checkpoints, page_size, overlap):
     runner = make_runner(platform, tiny_checkpoints["qwen2"].plain, page_size=page_size)
     prompts = _prompts(6, seed=0)
     expected = [greedy_generate(runner, [p], 16)[0] for p in prompts]
-    engine = Engine(runner)
+    engine = Engine(runner, overlap_schedule=overlap)
     requests = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=16)) for p in prompts]
     assert _run_all(engine, requests) == expected
     # chunked prefill inside the engine gives the same tokens
-    engine = Engine(runner, chunked_prefill_size=7, max_prefill_tokens=20)
+    engine = Engine(runner, chunked_prefill_size=7, max_prefill_tokens=20, overlap_schedule=overlap)
     requests = [engine.add_request(p, SamplingParams(temperature=0, max_new_tokens=16)) for p in prompts]
     assert _run_all(engine, requests) == expected
 
 
+@overlap
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_soak_under_memory_pressure_finishes_everything_once(platform, tiny_checkpoints, page_size):
+def test_soak_under_memory_pressure_finishes_everything_once(platform, tiny_checkpoints, page_size, overlap):
     """250 requests with random prompt and output lengths against a pool holding a small fraction of them."""
     rng = random.Random(page_size)
     prompts = _prompts(250, seed=page_size)
@@ -56,7 +62,7 @@ def test_soak_under_memory_pressure_finishes_everything_once(platform, tiny_chec
     tight_runner = make_runner(platform, checkpoint, page_size=page_size, max_total_tokens=512, max_running_requests=48)
     assert tight_runner.kv.total_tokens * 8 < demand
     free_before = tight_runner.kv.free_tokens
-    tight = Engine(tight_runner)
+    tight = Engine(tight_runner, overlap_schedule=overlap)
     requests = [tight.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     outputs = _run_all(tight, requests)
     assert tight.scheduler.num_preemptions > 0, "the pool should have been too small to avoid preemption"
@@ -67,13 +73,15 @@ def test_soak_under_memory_pressure_finishes_everything_once(platform, tiny_chec
     assert tight_runner.kv.req_to_token.free_count == tight_runner.kv.req_to_token.max_requests
 
 
-def test_stop_rules(platform, tiny_checkpoints):
+@overlap
+def test_stop_rules(platform, tiny_checkpoints, overlap):
     runner = make_runner(platform, tiny_checkpoints["mistral"].plain)
     prompt = _prompts(1, seed=5)[0]
     free = greedy_generate(runner, [prompt], 12)[0]
     stop_token = free[4]
     first = free.index(stop_token)
-    engine = Engine(runner, eos_token_ids=[stop_token])
+    free_before = runner.kv.free_tokens
+    engine = Engine(runner, eos_token_ids=[stop_token], overlap_schedule=overlap)
     eos = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=12))
     ignored = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
     by_id = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[free[2]]))
@@ -81,6 +89,32 @@ def test_stop_rules(platform, tiny_checkpoints):
     assert (eos.output_ids, eos.finish_reason.value) == (free[: first + 1], "stop")
     assert (ignored.output_ids, ignored.finish_reason.value) == (free, "length")
     assert by_id.output_ids == free[: free.index(free[2]) + 1] and by_id.finish_reason.value == "stop"
+    # (with overlap, a stopped request's step computed ahead is dropped and its KV freed all the same)
+    assert runner.kv.free_tokens == free_before
+    assert runner.kv.req_to_token.free_count == runner.kv.req_to_token.max_requests
+
+
+def test_overlap_gives_the_same_samples_logprobs_and_length_stops(platform, tiny_checkpoints):
+    """Seeded sampling, logprobs, max_new_tokens of 1 and the context length: as without overlap."""
+    runner = make_runner(platform, tiny_checkpoints["qwen3"].plain)
+    prompts = _prompts(5, seed=3)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=20, logprobs=2),
+        SamplingParams(temperature=1.0, top_k=5, seed=8, max_new_tokens=1, logprobs=0),
+        SamplingParams(temperature=0, max_new_tokens=10),
+        SamplingParams(temperature=0.5, min_p=0.1, seed=9, max_new_tokens=300, ignore_eos=True),  # context length
+        SamplingParams(temperature=0, max_new_tokens=3, logprobs=1),
+    ]
+    results = []
+    for overlap in (False, True):
+        engine = Engine(runner, overlap_schedule=overlap)
+        requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        _run_all(engine, requests)
+        results.append([(r.output_ids, r.logprobs, r.top_logprobs, r.finish_reason) for r in requests])
+    assert results[0] == results[1]
+    lengths = [len(r[0]) for r in results[1]]
+    assert lengths[:3] == [20, 1, 10] and lengths[4] == 3
+    assert lengths[3] == runner.context_length - len(prompts[3])
 
 
 def test_request_errors(platform, tiny_checkpoints):
