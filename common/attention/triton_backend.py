@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from omnirun.attention import triton_kv_store
 from omnirun.attention.backend import AttentionBackend, AttentionContext, AttentionLayerSpec
 from omnirun.attention.triton_decode import decode_attention, partial_buffers
 from omnirun.attention.triton_extend import extend_attention
@@ -116,6 +117,13 @@ class TritonAttention(AttentionBackend):
         return part_out[:batch_size], part_lse[:batch_size]
 
     # --- forward ---
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> None:
+        k_cache, v_cache = self.context.kv.kv_cache.get_kv(layer.layer_id)
+        if not triton_kv_store.supports(k_cache.dtype, k.dtype):  # e.g. fnuz fp8: torch's cast
+            return super().store_kv(k, v, layer, batch)
+        # One launch for K and V, reading strided rows of the qkv output in place.
+        triton_kv_store.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:

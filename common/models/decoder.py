@@ -59,7 +59,7 @@ class SelfAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), batch, backend))
+        return self.o_proj(self.attn(q, k, v, batch, backend))
 
 
 class MLP(nn.Module):

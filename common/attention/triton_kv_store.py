@@ -1,0 +1,182 @@
+"""Store a step's new K and V into the paged KV cache with one Triton launch per layer.
+
+`PagedKVCache.set_kv` takes a cast and an indexed store for each of K and V (plus a copy when V is a strided view of
+the fused qkv output); this kernel reads both rows of a token once and writes them, cast, to its slot.
+
+Casts give the bits torch's `.to(cache dtype)` gives. fp8 (e4m3fn, e5m2; scale 1) is rounded in software, the way
+torch 2.13's conversion does it: round to nearest even; e4m3fn saturates finite overflow and inf to +-448 (torch
+2.11 still made NaN of them), e5m2 overflows to +-inf; NaN stays NaN. Triton's own cast agrees in range (every bf16,
+fp16 value checked on an H200) but saturates e5m2 at 57344, and the interpreter's does not round to nearest even;
+writing bytes also needs no fp8 type in Triton's target. The fnuz flavours are not handled: `supports` says no.
+
+Graph-safe: no host sync and no data-dependent allocation (the slots are read on the device, never checked).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreted() -> bool:
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the variable directly
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+_INTERPRETED = _interpreted()
+# What the kernel does to a value before storing it (a constexpr: one compiled variant per cache dtype).
+_CAST, _BF16_BITS, _E4M3_BITS, _E5M2_BITS = 0, 1, 2, 3
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # K/V dtypes, and the cache dtypes cast plainly
+_FP8_KINDS = {torch.float8_e4m3fn: _E4M3_BITS, torch.float8_e5m2: _E5M2_BITS}
+
+
+@triton.jit
+def _f32(x):
+    """`x` widened to float32; bfloat16 by moving its bits (exact for subnormals too, unlike the interpreter)."""
+    if x.dtype == tl.bfloat16:
+        y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 -> bfloat16 rounded to nearest even (NaN -> 0x7FC0, as torch), by hand: the interpreter's cast
+    truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = tl.where(x != x, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp8_bits(x, E4M3: tl.constexpr):
+    """float32 -> fp8 bits (uint8) as torch's fp8e4m3fn/fp8e5m2_from_fp32_value compute them.
+
+    On the magnitude's bits (int32, sign cleared): values below the smallest normal are rounded by one float add
+    that lines their bits up with the fp8 subnormal grid; normal values get the exponent rebiased and a
+    round-half-to-even bias added before the mantissa is cut; beyond the range comes the overflow pattern."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = tl.where(bits < 0, 0x80, 0)
+    mag = bits & 0x7FFFFFFF
+    if E4M3:
+        # 2^-6: smallest normal; 2^14 (141 << 23): the magic number whose ulp is the 2^-9 subnormal step;
+        # 480 (1087 << 20): the first value that does not round to 448.
+        sub = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+        norm = (mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+        norm = tl.minimum(norm, 0x7E)  # a rounding carry into 0x7F (NaN) saturates to 448
+        out = tl.where(mag < (121 << 23), sub, norm)
+        out = tl.where(mag >= (1087 << 20), tl.where(mag > 0x7F800000, 0x7F, 0x7E), out)
+    else:
+        # 2^-14: smallest normal; 2^7 (134 << 23): ulp 2^-16, the subnormal step; 2^16 (143 << 23): beyond range.
+        sub = (mag.to(tl.float32, bitcast=True) + 128.0).to(tl.int32, bitcast=True) - (134 << 23)
+        norm = (mag - (112 << 23) + 0xFFFFF + ((mag >> 21) & 1)) >> 21  # a carry past 57344 lands on inf
+        out = tl.where(mag < (113 << 23), sub, norm)
+        out = tl.where(mag >= (143 << 23), tl.where(mag > 0x7F800000, 0x7F, 0x7C), out)
+    return (out | sign).to(tl.uint8)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, KIND: tl.constexpr):
+    if KIND == 1:  # _BF16_BITS
+        y = _bf16_bits(_f32(x))
+    elif KIND == 2:  # _E4M3_BITS
+        y = _fp8_bits(_f32(x), True)
+    elif KIND == 3:  # _E5M2_BITS
+        y = _fp8_bits(_f32(x), False)
+    elif x.dtype == dtype:
+        y = x
+    else:
+        y = _f32(x).to(dtype)
+    return y
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    k_stride,
+    v_stride,
+    width,
+    KIND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (token, chunk): one chunk of the token's K row and of its V row, to row `slots[token]`."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    dst = tl.load(slots_ptr + token).to(tl.int64) * width + offs
+    out_ty = k_cache_ptr.dtype.element_ty
+    k = tl.load(k_ptr + token * k_stride + offs, mask=mask)
+    tl.store(k_cache_ptr + dst, _cast(k, out_ty, KIND), mask=mask)
+    v = tl.load(v_ptr + token * v_stride + offs, mask=mask)
+    tl.store(v_cache_ptr + dst, _cast(v, out_ty, KIND), mask=mask)
+
+
+def supports(cache_dtype: torch.dtype, input_dtype: torch.dtype) -> bool:
+    """Whether `store_kv` handles this cache dtype and K/V dtype (else use `PagedKVCache.set_kv`)."""
+    return input_dtype in _FLOATS and (cache_dtype in _FLOATS or cache_dtype in _FP8_KINDS)
+
+
+def _kind(cache_dtype: torch.dtype, input_dtype: torch.dtype) -> int:
+    if cache_dtype in _FP8_KINDS:
+        return _FP8_KINDS[cache_dtype]
+    if cache_dtype == torch.bfloat16 and input_dtype != torch.bfloat16 and _INTERPRETED:
+        return _BF16_BITS
+    return _CAST
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` as [n, width] with a contiguous last dimension: a view for the layouts layers pass, else a copy."""
+    t = t.reshape(t.shape[0], width)
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Write k, v ([n, kv_heads*head_dim] or [n, kv_heads, head_dim]; rows may be strided) into rows `slots`
+    ([n], any integer dtype, unique unless the rows written are equal) of the caches ([num_slots, kv_heads,
+    head_dim], contiguous), cast to the cache dtype."""
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k and v caches differ: {tuple(k_cache.shape)} {k_cache.dtype}, {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if not supports(k_cache.dtype, k.dtype) or v.dtype != k.dtype:
+        raise ValueError(f"cannot store {k.dtype}/{v.dtype} into a {k_cache.dtype} cache")
+    n, width = k.shape[0], k_cache.shape[1:].numel()
+    if slots.dtype not in (torch.int32, torch.int64) or slots.device != k_cache.device:
+        raise ValueError(f"slots must be int32/int64 on {k_cache.device}, got {slots.dtype} on {slots.device}")
+    if k.numel() != n * width or v.shape[0] != n or v.numel() != n * width or slots.shape != (n,):
+        raise ValueError(
+            f"k, v must be [n, {width}] (or [n, kv_heads, head_dim]) with n slots; got {tuple(k.shape)}, "
+            f"{tuple(v.shape)}, slots {tuple(slots.shape)}"
+        )
+    if n == 0:
+        return
+    kind = _kind(k_cache.dtype, k.dtype)
+    if kind in (_E4M3_BITS, _E5M2_BITS):
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    k, v = _rows(k, width), _rows(v, width)
+    block = min(triton.next_power_of_2(width), 4096)
+    _store_kv_kernel[(n, triton.cdiv(width, block))](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        k.stride(0),
+        v.stride(0),
+        width,
+        KIND=kind,
+        BLOCK=block,
+        num_warps=max(1, min(8, block // 256)),
+    )

@@ -1,0 +1,215 @@
+"""The one-launch KV store (triton_kv_store) against `PagedKVCache.set_kv`, the torch path it replaces.
+
+Stores must agree bit for bit, every slot of the cache included (the slots not written must be left alone). Without
+a GPU the kernel runs in the Triton interpreter on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+if not torch.cuda.is_available():
+    # Before anything imports triton: @triton.jit picks the interpreter when the kernels are defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the Triton KV store needs it")
+
+from omnirun.attention.backend import AttentionContext, AttentionLayerSpec  # noqa: E402
+from omnirun.attention.torch_native import TorchNativeAttention  # noqa: E402
+from omnirun.attention.triton_backend import TritonAttention  # noqa: E402
+from omnirun.attention.triton_kv_store import store_kv, supports  # noqa: E402
+from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP8 = [dt for dt in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if dt is not None]
+CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float32, *FP8]
+INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (kv_heads, head_dim): Qwen2-0.5B-like, Llama-3-8B, phi's 80, 96; 36 x 128 needs two chunks per row.
+SHAPES = [(1, 64), (8, 128), (2, 80), (4, 96), (36, 128)]
+# Finite values every fp8 flavour holds (|x| <= 448), from its subnormals up, with both signs.
+IN_RANGE = 400.0
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _values(n: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    """float32 [n, width] spread over magnitudes 2^-12 .. 2^8: fp8 subnormals, normals, rounding ties."""
+    mant = torch.randn(n, width, generator=generator)
+    scale = torch.exp2(torch.randint(-12, 9, (n, width), generator=generator).float())
+    return (mant * scale).clamp(-IN_RANGE, IN_RANGE)
+
+
+def _fused_qkv(n: int, width: int, dtype: torch.dtype, generator: torch.Generator):
+    """k, v as the model passes them: strided column slices of one [n, q + 2 * width] qkv output."""
+    q_width = 3 * width
+    qkv = torch.cat([_values(n, q_width, generator), _values(n, width, generator), _values(n, width, generator)], 1)
+    qkv = qkv.to(dtype).to(DEVICE)
+    k, v = qkv[:, q_width : q_width + width], qkv[:, q_width + width :]
+    assert k.stride() == (q_width + 2 * width, 1) and not v.is_contiguous()
+    return k, v
+
+
+def _caches(num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[PagedKVCache, PagedKVCache]:
+    """Two one-layer caches holding the same (random, finite) contents."""
+    ref, mine = (PagedKVCache(1, num_slots, kv_heads, head_dim, dtype, DEVICE) for _ in range(2))
+    gen = torch.Generator().manual_seed(0)
+    for a, b in zip(ref.k_buffers + ref.v_buffers, mine.k_buffers + mine.v_buffers, strict=True):
+        a.copy_(torch.randn(a.shape, generator=gen).to(dtype))
+        b.copy_(a)
+    return ref, mine
+
+
+def _assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype.itemsize == 1:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} values differ"
+
+
+def _compare(k: torch.Tensor, v: torch.Tensor, kv_heads: int, head_dim: int, cache_dtype: torch.dtype, seed: int):
+    n = k.shape[0]
+    num_slots = 3 * n + 5
+    ref, mine = _caches(num_slots, kv_heads, head_dim, cache_dtype)
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed))[:n].to(DEVICE)
+    shape = (n, kv_heads, head_dim)
+    ref.set_kv(0, slots, k.reshape(shape), v.reshape(shape))
+    store_kv(mine.k_buffers[0], mine.v_buffers[0], slots, k, v)
+    _assert_same_bits(mine.k_buffers[0], ref.k_buffers[0])
+    _assert_same_bits(mine.v_buffers[0], ref.v_buffers[0])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}-d{s[1]}")
+@pytest.mark.parametrize("input_dtype", INPUT_DTYPES, ids=_name)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=_name)
+def test_strided_rows_match_set_kv(cache_dtype, input_dtype, shape):
+    kv_heads, head_dim = shape
+    n = 3 if kv_heads * head_dim > 1024 else 9
+    k, v = _fused_qkv(n, kv_heads * head_dim, input_dtype, torch.Generator().manual_seed(kv_heads + head_dim))
+    _compare(k, v, kv_heads, head_dim, cache_dtype, seed=head_dim)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=_name)
+def test_three_dim_and_int32_slots(cache_dtype):
+    """[n, kv_heads, head_dim] inputs (contiguous, and heads strided apart) with int32 slots."""
+    kv_heads, head_dim, n = 4, 64, 6
+    gen = torch.Generator().manual_seed(7)
+    k = _values(n, kv_heads * head_dim, gen).to(torch.bfloat16).view(n, kv_heads, head_dim).to(DEVICE)
+    v_wide = _values(n, kv_heads * 2 * head_dim, gen).to(torch.bfloat16).view(n, kv_heads, 2 * head_dim).to(DEVICE)
+    v = v_wide[:, :, :head_dim]  # not viewable as rows: the wrapper copies it
+    ref, mine = _caches(40, kv_heads, head_dim, cache_dtype)
+    slots = torch.tensor([33, 1, 17, 5, 39, 20], dtype=torch.int32, device=DEVICE)
+    ref.set_kv(0, slots, k, v)
+    store_kv(mine.k_buffers[0], mine.v_buffers[0], slots, k, v)
+    _assert_same_bits(mine.k_buffers[0], ref.k_buffers[0])
+    _assert_same_bits(mine.v_buffers[0], ref.v_buffers[0])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in the interpreter, on inf/NaN arithmetic
+@pytest.mark.parametrize("cache_dtype", FP8, ids=_name)
+def test_fp8_every_bf16_and_fp16_value_matches_torch(cache_dtype):
+    """Every bf16 and fp16 bit pattern within the fp8 range (NaN, signed zeros and subnormals included) casts to
+    torch's bits. (Beyond the range, torch versions differ for e4m3fn: see the next test.)"""
+    fp8_max = torch.finfo(cache_dtype).max
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = patterns.view(dtype)
+        x = x[~(x.float().abs() > fp8_max)].to(DEVICE)  # keeps NaN
+        n = x.numel() // 256
+        rows = x[: n * 256].view(n, 256)
+        cache = torch.zeros(n, 1, 256, dtype=cache_dtype, device=DEVICE)
+        store_kv(cache, torch.empty_like(cache), torch.arange(n, device=DEVICE), rows, rows)
+        _assert_same_bits(cache.view(n, 256), rows.to(cache_dtype))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_fp8_beyond_range():
+    """Out of range the kernel does what torch 2.13's cast does: e4m3fn saturates finite overflow and inf to +-448
+    (older torch made NaN of them), e5m2 overflows to +-inf; NaN stays NaN; ties round to even."""
+    if len(FP8) < 2:
+        pytest.skip("torch lacks float8_e4m3fn / float8_e5m2")
+    inf, nan = float("inf"), float("nan")
+    cases = {  # cache dtype: (inputs, want)
+        torch.float8_e4m3fn: (
+            [464.0, 479.9, 480.0, 1e6, inf, -500.0, -inf, nan],
+            [448.0, 448.0, 448.0, 448.0, 448.0, -448.0, -448.0, nan],
+        ),
+        torch.float8_e5m2: (  # 61440: the tie between 57344 (odd mantissa) and the next power of two, inf
+            [59392.0, 61439.0, 61440.0, 1e6, inf, -7e4, -inf, nan],
+            [57344.0, 57344.0, inf, inf, inf, -inf, -inf, nan],
+        ),
+    }
+    for cache_dtype, (values, want) in cases.items():
+        x = torch.tensor([values], dtype=torch.float32, device=DEVICE)
+        cache = torch.zeros(1, 1, x.shape[1], dtype=cache_dtype, device=DEVICE)
+        store_kv(cache, torch.empty_like(cache), torch.zeros(1, dtype=torch.int64, device=DEVICE), x, x)
+        want = torch.tensor(want, device=DEVICE)
+        torch.testing.assert_close(cache.view(-1).float(), want, equal_nan=True, atol=0, rtol=0)
+
+
+def _context(cache: PagedKVCache) -> AttentionContext:
+    kv = KVMemory(PageAllocator(cache.num_slots - 1, 1), ReqToTokenPool(2, 16, DEVICE), cache, 1)
+    return AttentionContext(kv, DEVICE, torch.bfloat16, 8, cache.num_kv_heads, cache.head_dim, max_context_len=16)
+
+
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.bfloat16, *FP8, getattr(torch, "float8_e4m3fnuz", torch.bfloat16)], ids=_name
+)
+def test_triton_backend_store_kv_matches_torch_native(cache_dtype):
+    """TritonAttention.store_kv (the kernel; torch's path for dtypes it lacks, fnuz) stores what torch_native does,
+    from strided views of a fused qkv output."""
+    kv_heads, head_dim, n = 2, 64, 5
+    k, v = _fused_qkv(n, kv_heads * head_dim, torch.bfloat16, torch.Generator().manual_seed(3))
+    layer = AttentionLayerSpec(0, 8, kv_heads, head_dim, head_dim**-0.5)
+    batch = types.SimpleNamespace(out_cache_loc=torch.tensor([7, 2, 11, 4, 9], device=DEVICE))
+    ref, mine = _caches(12, kv_heads, head_dim, cache_dtype)
+    TorchNativeAttention(_context(ref)).store_kv(k, v, layer, batch)
+    TritonAttention(_context(mine)).store_kv(k, v, layer, batch)
+    _assert_same_bits(mine.k_buffers[0], ref.k_buffers[0])
+    _assert_same_bits(mine.v_buffers[0], ref.v_buffers[0])
+
+
+def test_supports_and_rejects():
+    assert supports(torch.bfloat16, torch.float32) and not supports(torch.int8, torch.bfloat16)
+    if hasattr(torch, "float8_e4m3fnuz"):
+        assert not supports(torch.float8_e4m3fnuz, torch.bfloat16)
+    cache = torch.zeros(4, 2, 8, device=DEVICE)
+    k = torch.zeros(2, 16, device=DEVICE)
+    slots = torch.tensor([1, 2], device=DEVICE)
+    with pytest.raises(ValueError, match="must be"):
+        store_kv(cache, cache.clone(), slots, k[:, :8], k[:, :8])
+    with pytest.raises(ValueError, match="slots"):
+        store_kv(cache, cache.clone(), slots[:1], k, k)
+    store_kv(cache, cache.clone(), slots[:0], k[:0], k[:0])  # no tokens: no launch
+    assert not cache.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph capture")
+def test_cuda_graph_replay_stores_new_data():
+    """Captured once, replayed with new K/V and new slots in the same buffers: no host sync, no per-call state."""
+    kv_heads, head_dim, n, cache_dtype = 8, 128, 4, FP8[0] if FP8 else torch.bfloat16
+    gen = torch.Generator().manual_seed(11)
+    k, v = _fused_qkv(n, kv_heads * head_dim, torch.bfloat16, gen)
+    slots = torch.tensor([3, 1, 8, 6], device=DEVICE)
+    ref, mine = _caches(10, kv_heads, head_dim, cache_dtype)
+    store_kv(mine.k_buffers[0], mine.v_buffers[0], slots, k, v)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store_kv(mine.k_buffers[0], mine.v_buffers[0], slots, k, v)
+    shape = (n, kv_heads, head_dim)
+    ref.set_kv(0, slots.clone(), k.view(shape), v.view(shape))  # what the eager call stored
+    new_k, new_v = _fused_qkv(n, kv_heads * head_dim, torch.bfloat16, gen)
+    k.copy_(new_k)
+    v.copy_(new_v)
+    slots.copy_(torch.tensor([0, 9, 2, 5]))
+    graph.replay()
+    ref.set_kv(0, slots, k.view(shape), v.view(shape))
+    torch.cuda.synchronize()
+    _assert_same_bits(mine.k_buffers[0], ref.k_buffers[0])
+    _assert_same_bits(mine.v_buffers[0], ref.v_buffers[0])
