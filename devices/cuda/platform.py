@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -15,12 +16,25 @@ from omnirun.devices.cuda.torch_gpu import (
     triton_installed,
     visible_devices_note,
 )
-from omnirun.platform import Capabilities, Platform, ProbeResult
+from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
 
 # Compute capabilities (major, minor) where a feature starts.
 BF16_MIN_SM = (8, 0)  # Ampere: bf16 tensor cores; older GPUs only emulate bf16, slowly
 FP8_MIN_SM = (8, 9)  # Ada and Hopper: fp8 tensor cores
 TRITON_MIN_SM = (7, 5)  # Turing: the oldest GPUs current triton releases still compile for
+
+FLASHINFER = "flashinfer"
+
+
+def flashinfer_installed() -> bool:
+    """Whether flashinfer can be imported, found without importing it (it loads its JIT machinery on import)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def _build_flashinfer(context: Any) -> Any:
+    from omnirun.devices.cuda.flashinfer_backend import FlashInferAttention  # imports flashinfer: only when chosen
+
+    return FlashInferAttention(context)
 
 
 class CudaPlatform(Platform):
@@ -64,6 +78,7 @@ class CudaPlatform(Platform):
             fp8_e5m2_dtype=torch.float8_e5m2 if has_fp8 else None,
             supports_triton=triton_installed() and sm >= TRITON_MIN_SM,
             graph_capture="cuda_graph",
+            async_execution=True,
         )
 
     def fused_ops(self) -> dict[str, Callable[..., Any]]:
@@ -71,3 +86,18 @@ class CudaPlatform(Platform):
 
     def make_graph_runner(self, runner: Any) -> Any:
         return torch_cuda_graph_runner(runner)
+
+    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
+        return {FLASHINFER: _build_flashinfer} if flashinfer_installed() else {}
+
+    def attention_backends(self) -> tuple[str, ...]:
+        # flashinfer goes after the portable GPU backends, not first: triton stays the default until flashinfer
+        # is measured to beat it. torch_native stays last.
+        from omnirun.attention.registry import portable_backends
+
+        portable = portable_backends(self.capabilities)
+        return portable[:-1] + tuple(self.attention_backend_factories()) + portable[-1:]
+
+    def default_attention_backend(self, mode: AttentionMode) -> str:
+        # Only on request for now, also where triton does not run (flashinfer needs nvcc for its first kernels).
+        return next(name for name in self.attention_backends() if name != FLASHINFER)

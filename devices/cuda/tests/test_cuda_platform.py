@@ -139,6 +139,7 @@ def test_capabilities_describe_the_current_device(fake_gpu):
 
 def test_no_triton_without_the_package(fake_gpu, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cuda_module, "triton_installed", lambda: False)
+    monkeypatch.setattr(cuda_module, "flashinfer_installed", lambda: False)
     cuda = CudaPlatform()
     assert not cuda.capabilities.supports_triton
     assert cuda.attention_backends() == ("torch_native",)
