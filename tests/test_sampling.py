@@ -141,6 +141,18 @@ def test_greedy_ties_take_the_first_maximum_in_bf16():
     assert torch.equal(out.token_ids, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])  # below and above the two-stage threshold
+@pytest.mark.parametrize("vocab", [8192, 151_936, 128_256 + 5])  # whole chunks, and a partial last chunk
+def test_greedy_over_large_vocabularies_keeps_the_first_maximum(rows, vocab):
+    """The chunked reduction for few rows: exactly argmax, ties across chunks and in the partial chunk included."""
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)).to(torch.bfloat16)
+    logits[0, [vocab - 1, 4095, 4096]] = 9.0  # equal maxima in two chunks and the last position
+    logits[-1, [vocab - 2, vocab - 1]] = 9.0  # a tie inside the last (partial) chunk
+    out = sample(logits, [SamplingParams(temperature=0)] * rows)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.token_ids[0] == 4095 and out.token_ids[-1] == (vocab - 2 if rows > 1 else 4095)
+
+
 def test_top_k_one_equals_greedy():
     torch.manual_seed(1)
     logits = torch.randn(64, 500)

@@ -202,8 +202,11 @@ def _capabilities(supports_triton: bool) -> Capabilities:
 
 @pytest.mark.parametrize("platform_module,class_name", [("cuda", "CudaPlatform"), ("rocm", "RocmPlatform")])
 def test_gpu_platforms_offer_the_kernels_only_where_triton_runs(platform_module: str, class_name: str):
+    from omnirun.layers.triton_gemv import skinny_linear_ops
+
     module = __import__(f"omnirun.devices.{platform_module}.platform", fromlist=[class_name])
-    for supports_triton, expected in ((True, triton_fused_ops()), (False, {})):
+    with_triton = triton_fused_ops() | (skinny_linear_ops() if platform_module == "cuda" else {})
+    for supports_triton, expected in ((True, with_triton), (False, {})):
         platform = getattr(module, class_name)()
         platform.__dict__["capabilities"] = _capabilities(supports_triton)  # a cached_property: set, not probed
         assert platform.fused_ops() == expected

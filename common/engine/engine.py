@@ -20,7 +20,7 @@ import torch
 
 from omnirun.batch import ForwardMode
 from omnirun.engine.request import FinishReason, Request
-from omnirun.engine.scheduler import ScheduledStep, Scheduler
+from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
 from omnirun.errors import ConfigError
 from omnirun.runner import ModelRunner
 from omnirun.sampling import SamplingParams
@@ -112,9 +112,10 @@ class Engine:
     def _launch(self, step: ScheduledStep) -> _Launched:
         """Queue the forward pass and sampling of `step` and the copy of its tokens to the host; wait for nothing."""
         batch = step.batch
-        if self.overlap and step.feeds_sampled:
-            # Some tokens to feed may not have reached the host yet: take them all where the sampler left them.
-            batch.input_ids = self._row_tokens[batch.req_pool_indices]
+        if step.has_pending_inputs:
+            # Tokens that have not reached the host yet: take them where the sampler left them, on the device.
+            ids = batch.input_ids
+            batch.input_ids = torch.where(ids == PENDING_TOKEN, self._row_tokens[batch.req_pool_indices], ids)
         logits = self.runner.forward(batch)
         requests = [step.requests[i] for i in step.sampling]
         if not requests:

@@ -33,9 +33,12 @@ class ScheduledStep:
     # Indices into `requests` (and rows of the logits) whose last position yields their next token: every request
     # of a decode step; in a prefill step, those whose whole sequence is now cached (not mid-way chunks).
     sampling: list[int]
-    # Every request feeds its newest sampled token (a decode step; a prefill of one-token prompts also runs in
-    # DECODE mode, but feeds prompt tokens).
-    feeds_sampled: bool = False
+    # Some requests of this decode step feed a token still on the device (pending): their input id is
+    # PENDING_TOKEN, for the engine to replace with the token the sampler left for their row.
+    has_pending_inputs: bool = False
+
+
+PENDING_TOKEN = -1
 
 
 class Scheduler:
@@ -87,7 +90,8 @@ class Scheduler:
         budget = self.max_prefill_tokens
         chosen: list[tuple[Request, int]] = []  # (request, tokens of it to compute now)
         # Prompts that are mid-way go first (they already hold pages), then new ones in arrival order.
-        midway = [r for r in self.running if r.num_cached < r.num_tokens]
+        # Mid-way: more than the newest token uncached (a prompt, or a preempted request's recompute, in chunks).
+        midway = [r for r in self.running if r.num_cached < r.num_tokens + r.num_pending - 1]
         decoding = len(self.running) - len(midway)
         free_pages = self.kv.free_tokens // self.kv.page_size
         for req in midway + list(self.waiting):
@@ -134,7 +138,7 @@ class Scheduler:
 
     # --- decode ---
     def _schedule_decode(self) -> ScheduledStep | None:
-        # Ready to decode: every known or pending token but the newest cached, and not at its length limit.
+        # Ready to decode: every token but the newest (known or pending) cached, and not at its length limit.
         decoding = [
             r
             for r in self.running
@@ -147,13 +151,14 @@ class Scheduler:
                 self.kv,
                 [r.row for r in decoding],
                 [r.num_cached for r in decoding],
-                [[r.all_ids[-1]] for r in decoding],
+                [[PENDING_TOKEN if r.num_pending else r.all_ids[-1]] for r in decoding],
                 self.device,
             )
             if batch is not None:
                 for req in decoding:
                     req.num_cached += 1
-                return ScheduledStep(batch, decoding, list(range(len(decoding))), feeds_sampled=True)
+                pending = any(r.num_pending for r in decoding)
+                return ScheduledStep(batch, decoding, list(range(len(decoding))), has_pending_inputs=pending)
             victim = self.running[-1]
             self.preempt(victim)
             if victim in decoding:

@@ -94,6 +94,21 @@ def test_stop_rules(platform, tiny_checkpoints, overlap):
     assert runner.kv.req_to_token.free_count == runner.kv.req_to_token.max_requests
 
 
+@overlap
+def test_requests_prefilled_in_different_steps_decode_together(platform, tiny_checkpoints, overlap):
+    """Two prefill steps of 8 prompts each, then every decode step carries all 16 (not two alternating halves)."""
+    runner = make_runner(platform, tiny_checkpoints["llama"].plain)
+    engine = Engine(runner, max_prefill_tokens=8 * 16, overlap_schedule=overlap)
+    prompts = [p[:16] + [1] * (16 - len(p[:16])) for p in _prompts(16, seed=11)]
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts]
+    launched = []
+    launch = engine._launch
+    engine._launch = lambda step: launched.append((step.batch.mode.value, step.batch.batch_size)) or launch(step)
+    _run_all(engine, requests)
+    assert launched == [("extend", 8), ("extend", 8)] + [("decode", 16)] * 7
+
+
 def test_overlap_gives_the_same_samples_logprobs_and_length_stops(platform, tiny_checkpoints):
     """Seeded sampling, logprobs, max_new_tokens of 1 and the context length: as without overlap."""
     runner = make_runner(platform, tiny_checkpoints["qwen3"].plain)
