@@ -13,6 +13,7 @@ import torch
 
 from omnirun.batch import build_batch
 from omnirun.config import RunnerConfig
+from omnirun.memory import KVMemory
 from omnirun.platform import Platform
 from omnirun.runner import ModelRunner
 
@@ -146,3 +147,16 @@ def greedy_gap(hf_model, prompt: Sequence[int], tokens: Sequence[int]) -> tuple[
         logits = hf_model(ids).logits[0, len(prompt) - 1 :].float()
     chosen = logits.gather(-1, torch.tensor(list(tokens), device=device)[:, None])[:, 0]
     return float((logits.max(-1).values - chosen).max()), float(logits.abs().max())
+
+
+def fill_prefixes(kv: KVMemory, prefix_lens: list[int]) -> list[int]:
+    """New requests holding `prefix_lens` cached tokens, allocated round-robin in chunks so their pages interleave."""
+    rows = [kv.new_request() for _ in prefix_lens]
+    held = [0] * len(rows)
+    while held != prefix_lens:
+        for i, row in enumerate(rows):
+            end = min(prefix_lens[i], held[i] + 7)
+            if end > held[i]:
+                kv.alloc_tokens([row], [held[i]], [end])
+                held[i] = end
+    return rows

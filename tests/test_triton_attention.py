@@ -28,6 +28,7 @@ from omnirun.attention.triton_backend import TritonAttention  # noqa: E402
 from omnirun.batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool  # noqa: E402
 from omnirun.platform import Capabilities  # noqa: E402
+from omnirun.testing import fill_prefixes  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONTEXT_LEN = 192
@@ -106,19 +107,6 @@ def make_setup(case: Case, seed: int) -> tuple[KVMemory, AttentionContext, Atten
     scaling = 0.8 / case.head_dim**0.5
     layer = AttentionLayerSpec(0, case.num_heads, case.num_kv_heads, case.head_dim, scaling, case.window)
     return kv, context, layer
-
-
-def fill_prefixes(kv: KVMemory, prefix_lens: list[int]) -> list[int]:
-    """New requests holding `prefix_lens` cached tokens, allocated round-robin in chunks so their pages interleave."""
-    rows = [kv.new_request() for _ in prefix_lens]
-    held = [0] * len(rows)
-    while held != prefix_lens:
-        for i, row in enumerate(rows):
-            end = min(prefix_lens[i], held[i] + 7)
-            if end > held[i]:
-                kv.alloc_tokens([row], [held[i]], [end])
-                held[i] = end
-    return rows
 
 
 def qkv(case: Case, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from omnirun.batch import ForwardBatch, ForwardMode, build_batch
 from omnirun.devices.cuda.flashinfer_backend import FlashInferAttention, paged_kv_table, window_left
 from omnirun.devices.cuda.platform import CudaPlatform, flashinfer_installed
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
-from omnirun.testing import greedy_generate, make_runner
+from omnirun.testing import fill_prefixes, greedy_generate, make_runner
 
 if not torch.cuda.is_available():
     _MISSING = "needs an NVIDIA GPU: torch sees no CUDA device"
@@ -90,19 +90,6 @@ def make_setup(
     scaling = 0.8 / case.head_dim**0.5  # not 1/sqrt(d): a backend that ignores the layer's scaling fails
     layer = AttentionLayerSpec(0, case.num_heads, case.num_kv_heads, case.head_dim, scaling, case.window)
     return kv, context, layer
-
-
-def fill_prefixes(kv: KVMemory, prefix_lens: list[int]) -> list[int]:
-    """New requests holding `prefix_lens` cached tokens, allocated round-robin in chunks so their pages interleave."""
-    rows = [kv.new_request() for _ in prefix_lens]
-    held = [0] * len(rows)
-    while held != prefix_lens:
-        for i, row in enumerate(rows):
-            end = min(prefix_lens[i], held[i] + 7)
-            if end > held[i]:
-                kv.alloc_tokens([row], [held[i]], [end])
-                held[i] = end
-    return rows
 
 
 def qkv(case: Case, num_tokens: int, device: torch.device = DEVICE) -> tuple[torch.Tensor, ...]:
