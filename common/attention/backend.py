@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -92,6 +92,17 @@ class AttentionBackend(abc.ABC):
     def init_forward_metadata_replay(self, batch: ForwardBatch, padded_batch_size: int) -> None:
         """Refresh the static buffers in place from a real batch before a replay."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot run inside a captured graph")
+
+    def _checked_graph_state(self, state: Any, batch_size: int) -> Any:
+        """`state` (the static buffers `init_graph_state` made, with a `max_batch_size`), checked to hold a batch."""
+        if state is None:
+            raise RuntimeError(f"{self.name}: call init_graph_state(max_batch_size) before capturing a graph")
+        if batch_size > state.max_batch_size:
+            raise ValueError(
+                f"batch size {batch_size} exceeds the graph state's {state.max_batch_size}: "
+                "call init_graph_state with the largest captured batch size"
+            )
+        return state
 
 
 class HybridAttentionBackend(AttentionBackend):

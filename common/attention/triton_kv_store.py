@@ -14,23 +14,14 @@ Graph-safe: no host sync and no data-dependent allocation (the slots are read on
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from omnirun.layers.triton_ops import round_to
 
-def _interpreted() -> bool:
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the variable directly
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
-_INTERPRETED = _interpreted()
 # What the kernel does to a value before storing it (a constexpr: one compiled variant per cache dtype).
-_CAST, _BF16_BITS, _E4M3_BITS, _E5M2_BITS = 0, 1, 2, 3
+_CAST, _E4M3_BITS, _E5M2_BITS = 0, 1, 2
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # K/V dtypes, and the cache dtypes cast plainly
 _FP8_KINDS = {torch.float8_e4m3fn: _E4M3_BITS, torch.float8_e5m2: _E5M2_BITS}
 
@@ -43,15 +34,6 @@ def _f32(x):
     else:
         y = x.to(tl.float32)
     return y
-
-
-@triton.jit
-def _bf16_bits(x):
-    """float32 -> bfloat16 rounded to nearest even (NaN -> 0x7FC0, as torch), by hand: the interpreter's cast
-    truncates."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = tl.where(x != x, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -83,16 +65,14 @@ def _fp8_bits(x, E4M3: tl.constexpr):
 
 @triton.jit
 def _cast(x, dtype: tl.constexpr, KIND: tl.constexpr):
-    if KIND == 1:  # _BF16_BITS
-        y = _bf16_bits(_f32(x))
-    elif KIND == 2:  # _E4M3_BITS
+    if KIND == 1:  # _E4M3_BITS
         y = _fp8_bits(_f32(x), True)
-    elif KIND == 3:  # _E5M2_BITS
+    elif KIND == 2:  # _E5M2_BITS
         y = _fp8_bits(_f32(x), False)
     elif x.dtype == dtype:
         y = x
     else:
-        y = _f32(x).to(dtype)
+        y = round_to(_f32(x), dtype)
     return y
 
 
@@ -126,12 +106,8 @@ def supports(cache_dtype: torch.dtype, input_dtype: torch.dtype) -> bool:
     return input_dtype in _FLOATS and (cache_dtype in _FLOATS or cache_dtype in _FP8_KINDS)
 
 
-def _kind(cache_dtype: torch.dtype, input_dtype: torch.dtype) -> int:
-    if cache_dtype in _FP8_KINDS:
-        return _FP8_KINDS[cache_dtype]
-    if cache_dtype == torch.bfloat16 and input_dtype != torch.bfloat16 and _INTERPRETED:
-        return _BF16_BITS
-    return _CAST
+def _kind(cache_dtype: torch.dtype) -> int:
+    return _FP8_KINDS.get(cache_dtype, _CAST)
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -162,7 +138,7 @@ def store_kv(
         )
     if n == 0:
         return
-    kind = _kind(k_cache.dtype, k.dtype)
+    kind = _kind(k_cache.dtype)
     if kind in (_E4M3_BITS, _E5M2_BITS):
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k, v = _rows(k, width), _rows(v, width)

@@ -69,7 +69,11 @@ class Engine:
         # costs a dropped step per stopped request.
         self.overlap = runner.capabilities.async_execution if overlap_schedule is None else overlap_schedule
         # Each request row's newest sampled token, on the device: what the next decode step feeds (overlap only).
-        self._row_tokens = torch.zeros(runner.kv.req_to_token.max_requests, dtype=torch.int64, device=runner.device)
+        self._row_tokens = (
+            torch.zeros(runner.kv.req_to_token.max_requests, dtype=torch.int64, device=runner.device)
+            if self.overlap
+            else None
+        )
         self._in_flight: _Launched | None = None
         self._ids = itertools.count()
         # The latest decode steps' (seconds, batch size, tokens in the KV cache read), for `omnirun bench`: a step's

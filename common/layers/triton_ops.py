@@ -39,12 +39,12 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr):
+def round_to(x, dtype: tl.constexpr):
     """float32 `x` rounded to nearest-even in `dtype` (the rounding torch applies when it stores a result)."""
     if _INTERPRETED and dtype == tl.bfloat16:
-        # The interpreter's cast truncates: round by hand (NaN payloads may change, which no test relies on).
+        # The interpreter's cast truncates: round by hand (NaN -> torch's 0x7FC0, not a carry into the sign).
         bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = tl.where(x != x, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
         y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         y = x.to(dtype)
@@ -120,14 +120,14 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * x_stride + col, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * residual_stride + col, mask=mask, other=0.0)
-        x = _round(x.to(tl.float32) + residual.to(tl.float32), summed_ptr.dtype.element_ty)
+        x = round_to(x.to(tl.float32) + residual.to(tl.float32), summed_ptr.dtype.element_ty)
         tl.store(summed_ptr + row * summed_stride + col, x, mask=mask)
     x32 = x.to(tl.float32)
     # mean as torch's GPU reduction takes it: the sum times 1/n (padding lanes add zeros).
     mean_square = tl.sum(x32 * x32, axis=1) * inv_n
-    normed = _round(x32 * _rsqrt(mean_square + eps)[:, None], x.dtype)
+    normed = round_to(x32 * _rsqrt(mean_square + eps)[:, None], x.dtype)
     weight = tl.load(weight_ptr + col, mask=col < n, other=0.0)
-    out = _round(normed.to(tl.float32) * weight.to(tl.float32), out_ptr.dtype.element_ty)
+    out = round_to(normed.to(tl.float32) * weight.to(tl.float32), out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + col, out, mask=mask)
 
 
@@ -215,8 +215,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.cons
     gate = tl.load(x_ptr + row * x_stride + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + d + col, mask=mask, other=0.0)
     # silu in float32 as torch's kernel (x / (1 + exp(-x)), IEEE division), rounded; then the product, rounded.
-    act = _round(tl.math.div_rn(gate, 1.0 + _exp(-gate)), up.dtype)
-    out = _round(act.to(tl.float32) * up.to(tl.float32), out_ptr.dtype.element_ty)
+    act = round_to(tl.math.div_rn(gate, 1.0 + _exp(-gate)), up.dtype)
+    out = round_to(act.to(tl.float32) * up.to(tl.float32), out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + col, out, mask=mask)
 
 
@@ -249,8 +249,8 @@ def _rotate_heads(row_ptr, heads, first_head, cos, sin, d, d_mask, HALF: tl.cons
     x1 = tl.load(first_ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     # x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2 | x1]: each product rounded, then the sum.
-    out1 = _round(_round(x1 * cos, dtype).to(tl.float32) - _round(x2 * sin, dtype).to(tl.float32), dtype)
-    out2 = _round(_round(x2 * cos, dtype).to(tl.float32) + _round(x1 * sin, dtype).to(tl.float32), dtype)
+    out1 = round_to(round_to(x1 * cos, dtype).to(tl.float32) - round_to(x2 * sin, dtype).to(tl.float32), dtype)
+    out2 = round_to(round_to(x2 * cos, dtype).to(tl.float32) + round_to(x1 * sin, dtype).to(tl.float32), dtype)
     tl.store(first_ptr, out1, mask=mask)
     tl.store(first_ptr + HALF, out2, mask=mask)
 
@@ -278,8 +278,8 @@ def _rotary_kernel(
     d_mask = d < HALF
     # The reference casts the float32 table to the activation dtype before rotating.
     dtype = q_ptr.dtype.element_ty
-    cos = _round(tl.load(cache_ptr + position * cache_stride + d, mask=d_mask, other=0.0), dtype).to(tl.float32)
-    sin = _round(tl.load(cache_ptr + position * cache_stride + HALF + d, mask=d_mask, other=0.0), dtype)
+    cos = round_to(tl.load(cache_ptr + position * cache_stride + d, mask=d_mask, other=0.0), dtype).to(tl.float32)
+    sin = round_to(tl.load(cache_ptr + position * cache_stride + HALF + d, mask=d_mask, other=0.0), dtype)
     sin = sin.to(tl.float32)
     _rotate_heads(q_ptr + token * q_stride, q_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
     _rotate_heads(k_ptr + token * k_stride, k_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)

@@ -328,11 +328,4 @@ class FlashInferAttention(AttentionBackend):
         self._start_step(rows, seq_lens_cpu, None, wrapper_for)
 
     def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
-        if self._graph is None:
-            raise RuntimeError("FlashInferAttention: call init_graph_state(max_batch_size) before capturing a graph")
-        if batch_size > self._graph.max_batch_size:
-            raise ValueError(
-                f"batch size {batch_size} exceeds the graph state's {self._graph.max_batch_size}: "
-                "call init_graph_state with the largest captured batch size"
-            )
-        return self._graph
+        return self._checked_graph_state(self._graph, batch_size)
