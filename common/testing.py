@@ -65,11 +65,31 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def tiny_hf_model(arch: str, seed: int = 1234, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A random HF model of the tiny config for `arch` (one of ARCHITECTURES)."""
+    """A random HF model of the tiny config for `arch` (one of ARCHITECTURES), with no constant tensor in it."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_configs()[arch], dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(tiny_configs()[arch], dtype=dtype).eval()
+    randomize_constant_parameters(model, seed)
+    return model
+
+
+def randomize_constant_parameters(model: torch.nn.Module, seed: int) -> list[str]:
+    """Give random values to every parameter HF's init left constant, and return their names.
+
+    HF zeroes biases and sets norm weights to one: a model that dropped a bias, or a norm's weight, would still
+    match. Adding U(-0.5, 0.5) turns zeros into small random biases and ones into scales in (0.5, 1.5), for any
+    architecture, present or future, without knowing its parameter names.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    changed = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.numel() > 1 and bool((param == param.flatten()[0]).all()):
+                noise = torch.rand(param.shape, generator=gen) - 0.5
+                param.add_(noise.to(param.device, param.dtype))
+                changed.append(name)
+    return changed
 
 
 def make_runner(platform: Platform, model: Path | str, **flags) -> ModelRunner:

@@ -22,15 +22,39 @@ class CheckpointModel(Protocol):
     def checkpoint_names(self) -> list[str]: ...
 
 
-def target_for(model: CheckpointModel, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """The rows `name` fills, checked against the incoming shape; ValueError with a one-line reason otherwise."""
+def target_for(
+    model: CheckpointModel, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
+    """The rows `name` fills, checked against the incoming shape (and dtype, when given); ValueError with a one-line
+    reason otherwise."""
     try:
         target = model.checkpoint_target(name)
     except KeyError:
         raise ValueError(f"tensor {name!r} is not a parameter of this model") from None
-    if target is not None and tuple(target.shape) != tuple(shape):
+    if target is None:
+        return None
+    if tuple(target.shape) != tuple(shape):
         raise ValueError(f"tensor {name!r} has shape {list(shape)}, the model expects {list(target.shape)}")
+    if dtype is not None and not _castable(dtype, target.dtype):
+        raise DtypeMismatch(
+            f"tensor {name!r} is stored as {str(dtype).removeprefix('torch.')}, which does not convert to the "
+            f"model's {str(target.dtype).removeprefix('torch.')}"
+        )
     return target
+
+
+class DtypeMismatch(ValueError):
+    """A checkpoint tensor whose values a cast would not keep (quantized or integer data for float weights)."""
+
+    hint = "omnirun loads float32/float16/bfloat16 weights; dequantize the checkpoint first (or re-save it)"
+
+
+def _castable(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether copy_ from `source` keeps the values: any float width to any other, but never integers, booleans or
+    fp8 (quantized weights, whose scales live in other tensors) into a floating parameter."""
+    if not target.is_floating_point:
+        return source == target
+    return source.is_floating_point and source.itemsize > 1
 
 
 def load_weights(model: CheckpointModel, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -38,15 +62,19 @@ def load_weights(model: CheckpointModel, tensors: Iterable[tuple[str, torch.Tens
     seen = set()
     for name, tensor in tensors:
         try:
-            target = target_for(model, name, tuple(tensor.shape))
+            target = target_for(model, name, tuple(tensor.shape), tensor.dtype)
         except ValueError as exc:
-            raise ModelLoadError(f"{exc}: is the checkpoint for this config.json?") from None
+            hint = exc.hint if isinstance(exc, DtypeMismatch) else "is the checkpoint for this config.json?"
+            raise ModelLoadError(f"{exc}: {hint}") from None
         if target is not None:
             target.copy_(tensor)
             seen.add(name)
     missing = [name for name in model.checkpoint_names() if name not in seen]
     if missing:
-        raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors of this model, e.g. {missing[:3]}")
+        raise ModelLoadError(
+            f"the checkpoint lacks {len(missing)} tensors of this model, e.g. {missing[:3]}: is it complete "
+            "(every shard downloaded) and for this config.json?"
+        )
 
 
 def check_update(model: CheckpointModel, shapes: dict[str, tuple[int, ...]], *, complete: bool) -> None:
@@ -74,7 +102,7 @@ def apply_update(model: CheckpointModel, tensors: Iterator[tuple[str, torch.Tens
     backups: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         for name, tensor in tensors:
-            target = target_for(model, name, tuple(tensor.shape))
+            target = target_for(model, name, tuple(tensor.shape), tensor.dtype)
             if target is None:
                 continue
             backups.append((target, target.to("cpu", copy=True)))
