@@ -39,12 +39,13 @@ def run_bench(
     vocab = runner.shape.vocab_size
     params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
     if warmup:  # first calls pay one-time costs (allocator growth, kernel selection, weight packing)
-        llm.generate(random_prompts(min(batch_size, num_prompts), input_len, vocab, seed + 1), params, use_tqdm=False)
-    engine.scheduler.max_running_requests = batch_size
+        warmup_prompts = random_prompts(min(batch_size, num_prompts), input_len, vocab, seed + 1)
+        llm.generate(warmup_prompts, params, use_tqdm=False)
+    engine.scheduler.max_running_requests = batch_size  # (the engine thread is idle between generate calls)
     engine.decode_steps.clear()
     prompts = random_prompts(num_prompts, input_len, vocab, seed)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=num_prompts > batch_size)
+    outputs = llm.generate(prompts, params, use_tqdm=True)
     runner.platform.synchronize()
     elapsed = time.perf_counter() - start
 

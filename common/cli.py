@@ -38,13 +38,11 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from omnirun.cli_flags import llm_kwargs
-    from omnirun.engine import LLM
+def _sampling_params(args: argparse.Namespace):
+    """The request's SamplingParams from generate's flags (checked before the model loads)."""
     from omnirun.sampling import SamplingParams
 
-    llm = LLM(args.model, **llm_kwargs(args))
-    params = SamplingParams(
+    return SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -54,39 +52,69 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+
+
+def _model_and_device(args: argparse.Namespace) -> str:
+    """Fail on an unusable --device (or $OMNIRUN_DEVICE) before anything loads; the model to load."""
+    from omnirun.registry import select_platform
+
+    select_platform(args.device)
+    if args.model is not None:
+        return args.model
+    from omnirun.assets.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from omnirun.cli_flags import llm_kwargs
+    from omnirun.engine import LLM
+    from omnirun.engine.tokenizer import tokenizer_dir
+
+    params = _sampling_params(args)
+    model = _model_and_device(args)
+    if tokenizer_dir(args.tokenizer, model) is None:
+        raise OmnirunError(f"{model} has no tokenizer for text prompts: pass --tokenizer <HF tokenizer dir>")
     prompts = args.prompt or ["Hello"]
-    if llm.tokenizer is None:
-        raise OmnirunError("this model has no tokenizer for text prompts: pass --tokenizer <HF tokenizer dir>")
-    if args.stream and len(prompts) == 1:
-        for delta in llm.stream(prompts[0], params):
-            print(delta.text, end="", flush=True)
-        print()
-        return 0
-    for i, output in enumerate(llm.generate(prompts, params, use_tqdm=False)):
-        if len(prompts) > 1:
-            print(f"--- [{i}] {output.finish_reason}, {len(output.token_ids)} tokens")
-        print(output.text)
+    with LLM(model, **llm_kwargs(args)) as llm:
+        if args.stream and len(prompts) == 1:
+            for delta in llm.stream(prompts[0], params):
+                print(delta.text, end="", flush=True)
+            print()
+            return 0
+        for i, output in enumerate(llm.generate(prompts, params, use_tqdm=False)):
+            if len(prompts) > 1:
+                print(f"--- [{i}] {output.finish_reason}, {len(output.token_ids)} tokens")
+            print(output.text)
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     import json
+    from pathlib import Path
 
     from omnirun.bench import format_result, run_bench
     from omnirun.cli_flags import llm_kwargs
     from omnirun.engine import LLM
 
+    for flag in ("batch_size", "input_len", "output_len", "num_prompts"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise OmnirunError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise OmnirunError(f"--json {args.json}: its folder does not exist; create it or name another file")
+    model = _model_and_device(args)
     kwargs = llm_kwargs(args)
     kwargs.setdefault("max_running_requests", args.batch_size)
-    llm = LLM(args.model, **kwargs)
-    result = run_bench(
-        llm,
-        batch_size=args.batch_size,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        num_prompts=args.num_prompts or args.batch_size,
-        seed=args.seed or 0,
-    )
+    with LLM(model, **kwargs) as llm:
+        result = run_bench(
+            llm,
+            batch_size=args.batch_size,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            num_prompts=args.num_prompts or args.batch_size,
+            seed=args.seed or 0,
+        )
     print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -97,6 +125,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnirun", description="One LLM model runner, many accelerators.")
+    parser.add_argument("--version", action="version", version=f"omnirun {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     env = commands.add_parser("env", help="show every known platform: available or why not, memory, backends")
@@ -109,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text for prompts (the embedded model by default)")
     add_runner_flags(generate)
     generate.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: Hello)")
-    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--max-new-tokens", type=int, default=32, help="new tokens at most per prompt")
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=-1)
@@ -129,6 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     bench.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("omnirun")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from omnirun import __version__
+
+        return __version__
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,8 @@ class RunnerConfig:
 
     # An HF model directory; with load_format "dummy" also a preset name (see omnirun.loader.presets).
     model: str
-    device: str = "auto"
+    # None: $OMNIRUN_DEVICE, else auto.
+    device: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"

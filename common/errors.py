@@ -48,3 +48,11 @@ class SamplingParamsError(OmnirunError):
 
 class WeightUpdateError(OmnirunError):
     """A weight update was refused or failed; the previous weights are still in place."""
+
+
+class EngineStepError(OmnirunError):
+    """A step of the engine raised; the requests it held were ended and the engine takes new ones."""
+
+
+class EngineClosedError(OmnirunError):
+    """The LLM (or its engine loop) was closed, or its engine thread died."""

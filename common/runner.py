@@ -11,8 +11,11 @@ device it is on: it reads the platform's capabilities and asks the platform for 
 from __future__ import annotations
 
 import atexit
+import functools
+import gc
 import logging
 import socket
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -24,7 +27,7 @@ from omnirun.attention.registry import attention_factories, choose_backend
 from omnirun.batch import ForwardBatch, ForwardMode
 from omnirun.config import RunnerConfig
 from omnirun.distributed.process_group import init_process_group
-from omnirun.errors import ModelLoadError, WeightUpdateError
+from omnirun.errors import KVPoolTooSmallError, ModelLoadError, WeightUpdateError
 from omnirun.layers.ops import resolve_ops
 from omnirun.loader import (
     SafetensorsCheckpoint,
@@ -46,6 +49,9 @@ logger = logging.getLogger(__name__)
 # Rows of the request-to-token table when --max-running-requests is not given.
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 
+# Runners of this process that hold device memory (until close()): named when a new one finds too little left.
+_open_runners: weakref.WeakSet[ModelRunner] = weakref.WeakSet()
+
 
 class ModelRunner:
     def __init__(self, config: RunnerConfig, platform: Platform | None = None):
@@ -56,23 +62,41 @@ class ModelRunner:
         self.device = self.platform.device(config.device_index)
         self.capabilities = self.platform.capabilities
         self.platform.manual_seed(config.seed)
+        self._owns_process_group = False
+        self._closed = False
 
-        self._init_distributed()
+        # Everything that can be checked from the config alone is checked before the weights load (minutes for a
+        # large model): a typo must not cost a load.
         self.model_config = load_model_config(config.model, config.load_format)
         self.shape = decoder_shape(self.model_config)
         self.context_length = context_length(self.model_config, config.context_length)
         self.dtype = resolve_model_dtype(config.dtype, self.model_config, self.capabilities)
-        self.model = self._load_model()
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
         self.max_running_requests = config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
-        # The graph runner exists before the KV pool so that its memory is taken out of the pool's budget; it
-        # captures once the pool and the attention backend exist (the graphs read both).
-        self.graph_runner = None if config.disable_graph else self.platform.make_graph_runner(self)
-        self.kv = self._init_kv_memory()
-        self.attention = self._init_attention()
-        self.sampler = Sampler()
-        if self.graph_runner is not None:
-            self.graph_runner.capture(progress=config.progress)
+        self._attention_choice = self._choose_attention()
+        if config.max_total_tokens is not None and config.max_total_tokens < self.context_length:
+            raise KVPoolTooSmallError(
+                f"--max-total-tokens {config.max_total_tokens} cannot hold one request of the context length "
+                f"{self.context_length}: raise it to >= {self.context_length}, or lower --context-length"
+            )
+
+        # Memory of runners that were dropped but not collected yet goes back before this one takes its share.
+        gc.collect()
+        _open_runners.add(self)
+        try:
+            self._init_distributed()
+            self.model = self._load_model()
+            # The graph runner exists before the KV pool so that its memory is taken out of the pool's budget; it
+            # captures once the pool and the attention backend exist (the graphs read both).
+            self.graph_runner = None if config.disable_graph else self.platform.make_graph_runner(self)
+            self.kv = self._init_kv_memory()
+            self.attention = self._init_attention()
+            self.sampler = Sampler()
+            if self.graph_runner is not None:
+                self.graph_runner.capture(progress=config.progress)
+        except BaseException:
+            self.close()  # what a failed start-up allocated goes back at once, not when the runner is collected
+            raise
 
     # --- start-up ---
     def _init_distributed(self) -> None:
@@ -85,8 +109,9 @@ class ModelRunner:
                 local_rank=self.config.device_index,
                 init_method=f"tcp://127.0.0.1:{_free_port()}",
             )
-            # Leave it at exit: NCCL otherwise warns on every run that the group was never destroyed.
-            atexit.register(_leave_process_group)
+            self._owns_process_group = True
+            # Leave it at close(), or at exit: NCCL otherwise warns on every run that it was never destroyed.
+            _leave_process_group_at_exit()
 
     def _load_model(self) -> DecoderForCausalLM:
         ops = resolve_ops(self.platform.fused_ops())
@@ -111,19 +136,16 @@ class ModelRunner:
         self.platform.empty_cache()
         free, total = self.platform.memory_info(self.config.device_index)
         shape = self.shape
-        plan = plan_kv_pool(
-            free_bytes=free,
-            total_bytes=total,
-            mem_fraction_static=self.config.mem_fraction_static or self.platform.default_mem_fraction_static,
-            bytes_per_token=PagedKVCache.bytes_per_token(
-                shape.num_layers, shape.num_kv_heads, shape.head_dim, self.kv_cache_dtype
-            ),
-            page_size=self.config.page_size,
-            context_length=self.context_length,
-            max_running_requests=self.max_running_requests,
-            max_total_tokens=self.config.max_total_tokens,
-            reserved_bytes=self.graph_runner.reserved_bytes() if self.graph_runner is not None else 0,
-        )
+        try:
+            plan = self._plan_kv_pool(free, total)
+        except KVPoolTooSmallError as exc:
+            others = [r for r in _open_runners if r is not self and r.platform is self.platform]
+            if others:
+                raise KVPoolTooSmallError(
+                    f"{exc}; {len(others)} other runner(s) of this process still hold device memory: close() the "
+                    "LLM (or ModelRunner) you no longer need, or use `with LLM(...) as llm:`"
+                ) from None
+            raise
         logger.info("KV cache: %s", plan.explanation)
         page_size = plan.page_size
         return KVMemory(
@@ -141,18 +163,25 @@ class ModelRunner:
             page_size,
         )
 
-    def _init_attention(self) -> AttentionBackend:
-        offered = self.platform.attention_backends()
-        factories = attention_factories(self.platform.attention_backend_factories())
-        context = AttentionContext(
-            kv=self.kv,
-            device=self.device,
-            model_dtype=self.dtype,
-            num_heads=self.shape.num_heads,
-            num_kv_heads=self.shape.num_kv_heads,
-            head_dim=self.shape.head_dim,
-            max_context_len=self.context_length,
+    def _plan_kv_pool(self, free: int, total: int):
+        shape = self.shape
+        return plan_kv_pool(
+            free_bytes=free,
+            total_bytes=total,
+            mem_fraction_static=self.config.mem_fraction_static or self.platform.default_mem_fraction_static,
+            bytes_per_token=PagedKVCache.bytes_per_token(
+                shape.num_layers, shape.num_kv_heads, shape.head_dim, self.kv_cache_dtype
+            ),
+            page_size=self.config.page_size,
+            context_length=self.context_length,
+            max_running_requests=self.max_running_requests,
+            max_total_tokens=self.config.max_total_tokens,
+            reserved_bytes=self.graph_runner.reserved_bytes() if self.graph_runner is not None else 0,
         )
+
+    def _choose_attention(self) -> tuple[str, str]:
+        """The (prefill, decode) attention backends: the user's choice where the platform offers it."""
+        offered = self.platform.attention_backends()
         prefill = choose_backend(
             self.config.prefill_backend_choice,
             offered,
@@ -165,6 +194,20 @@ class ModelRunner:
             self.platform.default_attention_backend("decode"),
             "--decode-attention-backend",
         )
+        return prefill, decode
+
+    def _init_attention(self) -> AttentionBackend:
+        factories = attention_factories(self.platform.attention_backend_factories())
+        context = AttentionContext(
+            kv=self.kv,
+            device=self.device,
+            model_dtype=self.dtype,
+            num_heads=self.shape.num_heads,
+            num_kv_heads=self.shape.num_kv_heads,
+            head_dim=self.shape.head_dim,
+            max_context_len=self.context_length,
+        )
+        prefill, decode = self._attention_choice
         if prefill == decode:
             backend = factories[prefill](context)
         else:
@@ -176,6 +219,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [batch, vocab] for each request's last new token ([tokens, vocab] with return_full_logits)."""
+        if self._closed:
+            raise RuntimeError("this ModelRunner was closed: create a new one")
         if batch.mode is ForwardMode.IDLE:
             return torch.empty(0, self.shape.vocab_size, dtype=self.dtype, device=self.device)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
@@ -252,6 +297,30 @@ class ModelRunner:
             total -= embedding.numel() * embedding.element_size()
         return total
 
+    def close(self) -> None:
+        """Give back everything this runner holds on the device: graphs and their memory pool, KV pool, attention
+        state, weights, and the process group it joined. Idempotent; the runner cannot run afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        _open_runners.discard(self)
+        try:
+            self.platform.synchronize()
+        finally:
+            # Graphs first: their pool holds activations that point into the KV pool and the weights.
+            for name in ("graph_runner", "attention", "kv", "model", "sampler"):
+                if hasattr(self, name):
+                    setattr(self, name, None)
+            gc.collect()  # the runner, its graph runner and backends refer to each other
+            self.platform.empty_cache()
+            if self._owns_process_group:
+                _leave_process_group()
+                self._owns_process_group = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def describe(self) -> dict[str, Any]:
         """The settled start-up facts, for logs and `omnirun` reports."""
         return {
@@ -269,6 +338,11 @@ class ModelRunner:
 def _leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@functools.cache
+def _leave_process_group_at_exit() -> None:
+    atexit.register(_leave_process_group)  # once per process, however many runners come and go
 
 
 def _free_port() -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from omnirun.batch import ForwardMode
+from omnirun.engine.detokenizer import IncrementalDetokenizer
 from omnirun.engine.request import FinishReason, Request
 from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
 from omnirun.errors import ConfigError
@@ -40,6 +41,23 @@ class _Launched:
     top_logprob_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     done: Any  # a platform event recorded after the copies
+
+
+@dataclasses.dataclass(frozen=True)
+class KVUsage:
+    """The KV pool's pages: how many exist, how many are free, and which live request holds how many."""
+
+    page_size: int
+    pages_total: int
+    pages_free: int
+    pages_held: dict[int, int]  # request id -> pages
+    rows_free: int
+    rows_total: int
+
+    @property
+    def pages_leaked(self) -> int:
+        """Pages neither free nor held by a live request: always 0 unless something is broken."""
+        return self.pages_total - self.pages_free - sum(self.pages_held.values())
 
 
 class Engine:
@@ -76,12 +94,18 @@ class Engine:
         )
         self._in_flight: _Launched | None = None
         self._ids = itertools.count()
+        # Every request added and not yet finished, by id (what abort() looks up).
+        self.requests: dict[int, Request] = {}
         # The latest decode steps' (seconds, batch size, tokens in the KV cache read), for `omnirun bench`: a step's
         # time is from the previous step's completion to its own; bounded so a long-lived engine does not grow.
         self.decode_steps: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=100_000)
         self._last_completion: tuple[float, ForwardMode] | None = None
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, detokenize: bool = False) -> Request:
+        """A checked request, not yet queued (safe from any thread: it reads only fixed facts of the model).
+
+        `detokenize` keeps its text step by step (for streams); requests with stop strings always do.
+        """
         prompt_ids = [int(t) for t in prompt_ids]
         context = self.runner.context_length
         vocab = self.runner.shape.vocab_size
@@ -93,12 +117,80 @@ class Engine:
                 "or raise --context-length"
             )
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ConfigError(f"prompt token ids must be in [0, {vocab}): the model's vocabulary")
+            bad = min(prompt_ids) if min(prompt_ids) < 0 else max(prompt_ids)
+            raise ConfigError(f"prompt token id {bad} is outside the model's vocabulary: use ids in [0, {vocab})")
+        limit = params.max_new_tokens
+        if limit is not None and len(prompt_ids) + limit > context:
+            raise ConfigError(
+                f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {limit}: together past the context "
+                f"length {context}; use max_new_tokens <= {context - len(prompt_ids)}, or None to stop at the context "
+                "length"
+            )
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer: use stop_token_ids, or load a model with one")
-        request = Request(next(self._ids), prompt_ids, params, arrival_time=time.perf_counter())
+        detokenizer = None
+        if self.tokenizer is not None and (detokenize or params.stop):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        return Request(next(self._ids), prompt_ids, params, detokenizer=detokenizer, arrival_time=time.perf_counter())
+
+    def add(self, request: Request) -> None:
+        """Queue a request made by `make_request`."""
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, detokenize: bool = False) -> Request:
+        request = self.make_request(prompt_ids, params, detokenize=detokenize)
+        self.add(request)
         return request
+
+    def abort(self, request_id: int) -> Request | None:
+        """End a request now (finish reason "abort") and free its pages; None if it is not live (finished or
+        unknown). A step in flight that computed a token for it has that token dropped."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, FinishReason.ABORT)
+        return request
+
+    def fail_all(self) -> list[Request]:
+        """After a step raised: end every live request (finish reason "abort") and free the whole KV pool, so that
+        the engine takes new requests again. Returns the requests that were ended."""
+        failed = list(self.requests.values())
+        self._in_flight = None
+        try:
+            self.runner.platform.synchronize()  # let whatever the failed step queued finish before pages are reused
+        except Exception:  # the device may be what failed; the host state is reset all the same
+            pass
+        now = time.perf_counter()
+        for request in failed:
+            request.finish_reason, request.finish_time = FinishReason.ABORT, now
+            request.num_pending, request.row = 0, None
+        self.requests.clear()
+        self.scheduler.clear()
+        self.runner.kv.release_all()
+        return failed
+
+    def complete_in_flight(self) -> list[Request]:
+        """Wait for the step in flight, if any, and take its tokens; afterwards the device runs nothing of ours."""
+        previous, self._in_flight = self._in_flight, None
+        return self._complete(previous)
+
+    def recompute_all(self) -> None:
+        """Make every running request recompute its KV cache (after a weight update the cache is stale)."""
+        assert self._in_flight is None, "complete the step in flight first"
+        for request in reversed(self.scheduler.running):  # preempt() queues first: keep their order
+            self.scheduler.preempt(request)
+
+    def kv_usage(self) -> KVUsage:
+        kv = self.runner.kv
+        held = {r.request_id: len(kv.pages_of(r.row)) for r in self.scheduler.running}
+        return KVUsage(
+            page_size=kv.page_size,
+            pages_total=kv.allocator.num_pages,
+            pages_free=kv.allocator.free_count,
+            pages_held=held,
+            rows_free=kv.req_to_token.free_count,
+            rows_total=kv.req_to_token.max_requests,
+        )
 
     @property
     def has_work(self) -> bool:
@@ -179,36 +271,34 @@ class Engine:
                 if n_top:
                     req.top_logprobs.append(list(zip(top_ids[i][:n_top], top_values[i][:n_top], strict=True)))
             self._check_stop(req, token)
-            if req.finished:
-                req.finish_time = now
-                self.scheduler.finish(req)
         return updated
 
     def _check_stop(self, req: Request, token: int) -> None:
         params = req.params
+        if req.detokenizer is not None:
+            new_text = req.detokenizer.add([token])
+            cut = req.detokenizer.find_stop(len(new_text))
+            if cut >= 0:
+                self._finish(req, FinishReason.STOP)
+                req.detokenizer.text = req.detokenizer.text[:cut]  # the text ends before the stop string (as in vLLM)
+                return
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            req.finish_reason = FinishReason.STOP
-        elif params.stop and self._cut_at_stop_string(req):
-            req.finish_reason = FinishReason.STOP
+            self._finish(req, FinishReason.STOP)
         elif req.length_reached(self.runner.context_length):
-            req.finish_reason = FinishReason.LENGTH
+            self._finish(req, FinishReason.LENGTH)
 
-    def _cut_at_stop_string(self, req: Request) -> bool:
-        """Whether the text now contains a stop string; if so the text is cut before it (as vLLM does)."""
-        text = self.decode(req.output_ids)
-        hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-        if not hits:
-            return False
-        req.text = text[: min(hits)]
-        return True
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason, req.finish_time = reason, time.perf_counter()
+        if req.detokenizer is not None:
+            req.detokenizer.flush()
+        self.requests.pop(req.request_id, None)
+        self.scheduler.finish(req)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def text_of(self, req: Request) -> str | None:
-        """The output text: cut at the stop string where one ended it."""
-        if self.tokenizer is None:
-            return None
-        if req.finished and req.params.stop and req.finish_reason is FinishReason.STOP and req.text:
-            return req.text
-        return self.decode(req.output_ids)
+        """The output text (cut before the stop string where one ended it); None without a tokenizer."""
+        if req.detokenizer is not None:
+            return req.detokenizer.text
+        return None if self.tokenizer is None else self.decode(req.output_ids)

@@ -1,17 +1,27 @@
-"""The Python API, in the style vLLM users know: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""The Python API, in the style vLLM users know: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+An LLM owns a ModelRunner and an Engine stepped by one background thread (EngineLoop); `generate`, `stream`,
+`abort` and the weight calls are safe from any number of threads, whose requests join one running batch.
+`close()` (or leaving a `with LLM(...) as llm:` block) gives every byte of device memory back.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from omnirun.config import RunnerConfig
-from omnirun.engine.engine import Engine
-from omnirun.engine.request import Request, RequestOutput
-from omnirun.errors import ConfigError, ModelLoadError
+from omnirun.engine.engine import Engine, KVUsage
+from omnirun.engine.loop import Channel, EngineLoop, StreamDelta
+from omnirun.engine.request import RequestOutput
+from omnirun.engine.tokenizer import load_tokenizer, tokenizer_dir
+from omnirun.errors import ConfigError, EngineClosedError
 from omnirun.runner import ModelRunner
 from omnirun.sampling import SamplingParams
 
@@ -20,16 +30,6 @@ logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 _RUNNER_FLAGS = {field.name for field in dataclasses.fields(RunnerConfig)} - {"model"}
 _ENGINE_FLAGS = {"max_prefill_tokens", "chunked_prefill_size", "disable_overlap_schedule"}
-
-
-@dataclasses.dataclass
-class StreamDelta:
-    """What one step added to a streamed request."""
-
-    request_id: int
-    token_ids: list[int]  # the new token(s)
-    text: str | None  # the new text (None without a tokenizer); may lag a token behind (partial UTF-8, stop strings)
-    finish_reason: str | None
 
 
 class LLM:
@@ -54,20 +54,61 @@ class LLM:
             logger.info("no model given: running the embedded default model (random weights, nonsense text)")
         runner_flags = {k: v for k, v in flags.items() if k in _RUNNER_FLAGS}
         engine_flags = {k: v for k, v in flags.items() if k in _ENGINE_FLAGS}
+        for name in ("max_prefill_tokens", "chunked_prefill_size"):
+            if name in engine_flags and engine_flags[name] < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {engine_flags[name]}")
         if engine_flags.pop("disable_overlap_schedule", False):
             engine_flags["overlap_schedule"] = False
-        self.runner = ModelRunner(RunnerConfig(model=model, **runner_flags))
-        self.tokenizer = _load_tokenizer(tokenizer or model)
-        self.engine = Engine(
-            self.runner, tokenizer=self.tokenizer, eos_token_ids=_eos_token_ids(self.runner, model), **engine_flags
-        )
+        config = RunnerConfig(model=str(model), **runner_flags)  # checks the flags before anything loads
+        source = tokenizer_dir(tokenizer, config.model)
+        self.tokenizer = load_tokenizer(source) if source is not None else None
+        self.runner = ModelRunner(config)
+        try:
+            self.engine = Engine(
+                self.runner,
+                tokenizer=self.tokenizer,
+                eos_token_ids=_eos_token_ids(self.runner, config.model),
+                **engine_flags,
+            )
+            self._loop = EngineLoop(self.engine)
+        except BaseException:
+            self.runner.close()
+            raise
+        # close() at the latest when the LLM is collected or the interpreter exits (the engine thread is joined
+        # before the device memory goes).
+        self._close = weakref.finalize(self, _close, self._loop, self.runner)
 
+    # --- lifecycle ---
+    def close(self) -> None:
+        """Stop the engine (live requests end with finish reason "abort") and give back the device memory: KV
+        pool, graphs, weights, process group. Idempotent; the LLM takes no requests afterwards."""
+        self._close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._close.alive
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("this LLM is closed: create a new one")
+
+    # --- requests ---
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("text prompts need a tokenizer: pass token ids, or tokenizer=<HF tokenizer dir>")
             return list(self.tokenizer(prompt).input_ids)
-        return [int(t) for t in prompt]
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ConfigError("a prompt is a string or a list of int token ids")
+        return list(prompt)
 
     def generate(
         self,
@@ -76,51 +117,127 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in the prompts' order."""
+        """Generate for every prompt (text or token ids); outputs come back in the prompts' order.
+
+        Every prompt is checked before any is queued. Other threads' requests run in the same batches. If this
+        call is interrupted (Ctrl-C) or fails, its unfinished requests are aborted and the LLM stays usable.
+        """
+        self._check_open()
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        requests = [self.engine.add_request(self.encode(p), sp) for p, sp in zip(prompts, params, strict=True)]
+        requests = [self.engine.make_request(self.encode(p), sp) for p, sp in zip(prompts, params, strict=True)]
+        channel = Channel()
+        outputs: dict[int, RequestOutput] = {}
         bar = None
-        if use_tqdm and len(requests) > 1:
+        if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(requests), desc="generating", unit="req")
-        while self.engine.has_work:
-            finished = sum(r.finished for r in self.engine.step())
-            if bar is not None and finished:
-                bar.update(finished)
-        if bar is not None:
-            bar.close()
-        return [RequestOutput.of(r, self.engine.text_of(r)) for r in requests]
+        try:
+            for request in requests:
+                self._loop.submit(request, channel)
+            while len(outputs) < len(requests):
+                request_id, item = self._loop.receive(channel, idle=bar.refresh if bar is not None else None)
+                if isinstance(item, BaseException):
+                    raise item
+                outputs[request_id] = item
+                if bar is not None:
+                    bar.update(1)
+        except BaseException:
+            for request in requests:
+                if request.request_id not in outputs:
+                    self._loop.abort(request.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [outputs[r.request_id] for r in requests]
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield the tokens (and text) of one prompt as they are produced."""
-        request = self.engine.add_request(self.encode(prompt), sampling_params or SamplingParams())
-        emitted_tokens, emitted_text = 0, 0
-        while not request.finished:
-            self.engine.step()
-            if len(request.output_ids) == emitted_tokens:
-                continue
-            text_delta = None
-            if self.tokenizer is not None:
-                text = self.engine.text_of(request)
-                ready = _streamable_length(text, request)
-                text_delta, emitted_text = text[emitted_text:ready], max(emitted_text, ready)
-            new_tokens = request.output_ids[emitted_tokens:]
-            emitted_tokens = len(request.output_ids)
-            reason = request.finish_reason.value if request.finished else None
-            yield StreamDelta(request.request_id, new_tokens, text_delta, reason)
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestStream:
+        """The tokens (and text) of one prompt as they are produced: an iterator of StreamDelta, the last of which
+        carries the finish reason. Closing it, or dropping it unfinished, aborts the request."""
+        self._check_open()
+        params = sampling_params or SamplingParams()
+        request = self.engine.make_request(self.encode(prompt), params, detokenize=True)
+        channel = Channel()
+        self._loop.submit(request, channel, stream=True)
+        return RequestStream(self._loop, request.request_id, channel)
+
+    def abort(self, request_id: int) -> None:
+        """End a request (a stream's `request_id`) at the next step: finish reason "abort", its pages freed."""
+        self._loop.abort(request_id)
+
+    def kv_usage(self) -> KVUsage:
+        """The KV pool's pages now: total, free, and held per live request (taken between two steps)."""
+        self._check_open()
+        return self._loop.call(Engine.kv_usage)
+
+    # --- weights (between two steps; running requests then recompute their KV cache with the new weights) ---
+    def update_weights_from_disk(self, model_path: str) -> None:
+        self._check_open()
+        self._loop.call(lambda engine: _updated(engine, engine.runner.update_weights_from_disk, model_path))
+
+    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._check_open()
+        named_tensors = list(named_tensors)
+        self._loop.call(lambda engine: _updated(engine, engine.runner.update_weights_from_tensor, named_tensors))
+
+    def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
+        self._check_open()
+        return self._loop.call(lambda engine: engine.runner.get_weights_by_name(name, truncate_size))
 
 
-def _streamable_length(text: str, request: Request) -> int:
-    """How much of the text can be shown now: all of it once finished; otherwise hold back a trailing partial
-    UTF-8 character and anything that could still turn out to be the start of a stop string."""
-    if request.finished:
-        return len(text)
-    ready = len(text.rstrip("\ufffd"))
-    if request.params.stop:
-        ready -= max(len(s) for s in request.params.stop) - 1
-    return max(ready, 0)
+class RequestStream:
+    """An iterator of one request's StreamDeltas. `close()` — or dropping it before the end — aborts the request."""
+
+    def __init__(self, loop: EngineLoop, request_id: int, channel: Channel):
+        self.request_id = request_id
+        self._loop = loop
+        self._channel = channel
+        self._ended = False
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> StreamDelta:
+        if self._ended:
+            raise StopIteration
+        try:
+            _, item = self._loop.receive(self._channel)
+        except BaseException:  # Ctrl-C or a dead engine: the request must not run on unseen
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        self._ended = item.finish_reason is not None
+        return item
+
+    def close(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._loop.abort(self.request_id)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _close(loop: EngineLoop, runner: ModelRunner) -> None:
+    try:
+        loop.close()
+    finally:
+        runner.close()
+
+
+def _updated(engine: Engine, update: Any, *args: Any) -> None:
+    update(*args)
+    engine.recompute_all()  # KV computed with the old weights is stale
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -141,19 +258,6 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
     if len(params) != n:
         raise ConfigError(f"got {len(params)} SamplingParams for {n} prompts: pass one, or one per prompt")
     return params
-
-
-def _load_tokenizer(source: str) -> Any | None:
-    """The HF tokenizer in `source` (a directory or hub-style name already on disk), or None when there is none."""
-    path = Path(source)
-    if not path.is_dir() or not any(path.glob("tokenizer*")):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:  # transformers raises many kinds
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {str(exc).splitlines()[0]}") from exc
 
 
 def _eos_token_ids(runner: ModelRunner, model: str) -> set[int]:

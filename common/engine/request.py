@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from omnirun.engine.detokenizer import IncrementalDetokenizer
 from omnirun.sampling import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS / stop token, or a stop string
     LENGTH = "length"  # max_new_tokens, or the context length
+    ABORT = "abort"  # aborted by the caller (abort(), a closed stream, Ctrl-C), or failed with the engine
 
 
 @dataclasses.dataclass
@@ -26,8 +28,8 @@ class Request:
     # scheduled while the previous one runs, so a request may be one or two tokens ahead of `output_ids`.
     num_pending: int = 0
     finish_reason: FinishReason | None = None
-    # Output text so far (kept only when a tokenizer is present) and where a stop string cut it.
-    text: str = ""
+    # Output text kept step by step, for stop strings and streams (None: decoded once at the end, if at all).
+    detokenizer: IncrementalDetokenizer | None = None
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
@@ -51,7 +53,10 @@ class Request:
 
     def length_reached(self, context_length: int, ahead: int = 0) -> bool:
         """Whether the output, with `ahead` more tokens (pending ones, say), ends the request by length."""
-        return len(self.output_ids) + ahead >= self.params.max_new_tokens or self.num_tokens + ahead >= context_length
+        limit = self.params.max_new_tokens
+        if limit is not None and len(self.output_ids) + ahead >= limit:
+            return True
+        return self.num_tokens + ahead >= context_length
 
 
 @dataclasses.dataclass

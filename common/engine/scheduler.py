@@ -174,6 +174,11 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
 
+    def clear(self) -> None:
+        """Forget every request (after a failed step; the engine frees the whole KV pool)."""
+        self.waiting.clear()
+        self.running.clear()
+
     def finish(self, req: Request) -> None:
         """Release a finished request's pages and row (or take it out of the queue, if it was preempted)."""
         if req.row is None:

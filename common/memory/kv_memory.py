@@ -139,6 +139,12 @@ class KVMemory:
         self._num_tokens[row] = 0
         self.req_to_token.free(row)
 
+    def release_all(self) -> None:
+        """Free every live request (after a failed step, when no request can go on)."""
+        for row, pages in enumerate(self._pages):
+            if pages is not None:
+                self.release(row)
+
     def _live_pages(self, row: int) -> list[int]:
         pages = self._pages[row] if 0 <= row < len(self._pages) else None
         if pages is None:

@@ -26,12 +26,16 @@ def _is_real(value: object) -> bool:
 class SamplingParams:
     """How to pick the tokens of one request.
 
+    The defaults are vLLM's: 16 new tokens, temperature 1.0 — a bare `SamplingParams()` *samples*; pass
+    temperature=0 for greedy (the `omnirun generate` CLI is greedy unless --temperature is given).
     temperature 0 (or top_k 1) means greedy. top_k -1 or 0 turns top-k off, top_p 1 turns nucleus sampling off,
     min_p 0 turns min-p off. logprobs: None for none, 0 for the chosen token's logprob, n for also the top n.
-    stop / stop_token_ids / ignore_eos are stored for the engine; `stop` is normalised to a list.
+    max_new_tokens None: generate until a stop rule or the context length (an explicit number that does not fit
+    in the context with the prompt is an error). stop / stop_token_ids / ignore_eos are stored for the engine;
+    `stop` is normalised to a list.
     """
 
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -43,8 +47,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise _bad("max_new_tokens", self.max_new_tokens, "an int >= 1")
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+            raise _bad("max_new_tokens", self.max_new_tokens, "an int >= 1, or None for up to the context length")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise _bad("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
@@ -61,7 +65,7 @@ class SamplingParams:
             raise _bad("ignore_eos", self.ignore_eos, "True or False")
 
         # Plain Python numbers from here on, so numpy scalars and ints-for-floats behave alike downstream.
-        self.max_new_tokens = int(self.max_new_tokens)
+        self.max_new_tokens = None if self.max_new_tokens is None else int(self.max_new_tokens)
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.top_k = int(self.top_k)

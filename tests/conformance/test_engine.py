@@ -117,7 +117,7 @@ def test_overlap_gives_the_same_samples_logprobs_and_length_stops(platform, tiny
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=20, logprobs=2),
         SamplingParams(temperature=1.0, top_k=5, seed=8, max_new_tokens=1, logprobs=0),
         SamplingParams(temperature=0, max_new_tokens=10),
-        SamplingParams(temperature=0.5, min_p=0.1, seed=9, max_new_tokens=300, ignore_eos=True),  # context length
+        SamplingParams(temperature=0.5, min_p=0.1, seed=9, max_new_tokens=None, ignore_eos=True),  # context length
         SamplingParams(temperature=0, max_new_tokens=3, logprobs=1),
     ]
     results = []
@@ -138,8 +138,13 @@ def test_request_errors(platform, tiny_checkpoints):
         engine.add_request([1] * 256, SamplingParams())
     with pytest.raises(ConfigError, match="empty prompt"):
         engine.add_request([], SamplingParams())
-    with pytest.raises(ConfigError, match=r"\[0, 256\)"):
+    with pytest.raises(ConfigError, match=r"token id 256 is outside .* \[0, 256\)"):
         engine.add_request([1, 256], SamplingParams())
+    with pytest.raises(ConfigError, match=r"token id -1 is outside"):
+        engine.add_request([-1, 2], SamplingParams())
+    with pytest.raises(ConfigError, match="together past the context length 256; use max_new_tokens <= 246"):
+        engine.add_request([1] * 10, SamplingParams(max_new_tokens=247))
+    assert not engine.has_work, "a refused request must not be queued"
     with pytest.raises(ConfigError, match="stop strings need a tokenizer"):
         engine.add_request([1, 2], SamplingParams(stop=["x"]))
 
