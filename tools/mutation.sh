@@ -71,6 +71,6 @@ rm -rf bench ci tools .ci .github README.md
 mkdir -p mutants
 export PYTHONPATH="$WORK/mutants${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_INTERPRET=1 OMP_NUM_THREADS=1
-mutmut run --max-children "${MUTATION_JOBS:-2}" "$@" || true
+mutmut run --max-children "${MUTATION_JOBS:-2}" "$@" > mutmut.log 2>&1 || true  # a progress spinner: log only
 mutmut results --all true > results.txt
 python "$ROOT/tools/mutation_score.py" results.txt | tee score.txt
