@@ -58,11 +58,3 @@ class RunnerConfig:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
         if self.tp_size != 1:
             raise ConfigError(f"--tp-size {self.tp_size} is not supported yet: use --tp-size 1")
-
-    @property
-    def prefill_backend_choice(self) -> str | None:
-        return self.prefill_attention_backend or self.attention_backend
-
-    @property
-    def decode_backend_choice(self) -> str | None:
-        return self.decode_attention_backend or self.attention_backend

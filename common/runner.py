@@ -181,20 +181,16 @@ class ModelRunner:
 
     def _choose_attention(self) -> tuple[str, str]:
         """The (prefill, decode) attention backends: the user's choice where the platform offers it."""
-        offered = self.platform.attention_backends()
-        prefill = choose_backend(
-            self.config.prefill_backend_choice,
-            offered,
-            self.platform.default_attention_backend("prefill"),
-            "--prefill-attention-backend",
-        )
-        decode = choose_backend(
-            self.config.decode_backend_choice,
-            offered,
-            self.platform.default_attention_backend("decode"),
-            "--decode-attention-backend",
-        )
-        return prefill, decode
+        offered, config = self.platform.attention_backends(), self.config
+
+        def choose(mode: str) -> str:
+            own = getattr(config, f"{mode}_attention_backend")
+            flag = f"--{mode}-attention-backend" if own is not None else "--attention-backend"
+            return choose_backend(
+                own or config.attention_backend, offered, self.platform.default_attention_backend(mode), flag
+            )
+
+        return choose("prefill"), choose("decode")
 
     def _init_attention(self) -> AttentionBackend:
         factories = attention_factories(self.platform.attention_backend_factories())

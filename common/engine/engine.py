@@ -180,6 +180,14 @@ class Engine:
         for request in reversed(self.scheduler.running):  # preempt() queues first: keep their order
             self.scheduler.preempt(request)
 
+    def close(self) -> None:
+        """Give back the device memory: the runner's (weights, KV pool, graphs) and the engine's own. The engine
+        cannot step afterwards."""
+        self._in_flight = None
+        self._row_tokens = None
+        self.scheduler = None  # it holds the KV pool
+        self.runner.close()
+
     def kv_usage(self) -> KVUsage:
         kv = self.runner.kv
         held = {r.request_id: len(kv.pages_of(r.row)) for r in self.scheduler.running}

@@ -76,7 +76,7 @@ class LLM:
             raise
         # close() at the latest when the LLM is collected or the interpreter exits (the engine thread is joined
         # before the device memory goes).
-        self._close = weakref.finalize(self, _close, self._loop, self.runner)
+        self._close = weakref.finalize(self, _close, self._loop, self.engine)
 
     # --- lifecycle ---
     def close(self) -> None:
@@ -228,11 +228,11 @@ class RequestStream:
         self.close()
 
 
-def _close(loop: EngineLoop, runner: ModelRunner) -> None:
+def _close(loop: EngineLoop, engine: Engine) -> None:
     try:
         loop.close()
     finally:
-        runner.close()
+        engine.close()
 
 
 def _updated(engine: Engine, update: Any, *args: Any) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+# Every KV cache alive in this process (for `reserved_bytes`).
+_live_caches: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()
 
 
 def _is_one_byte_float(dtype: torch.dtype) -> bool:
@@ -45,6 +50,14 @@ class PagedKVCache:
         self.v_buffers = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         for buf in self.k_buffers + self.v_buffers:
             buf[:page_size].zero_()
+        _live_caches.add(self)
+
+    @staticmethod
+    def reserved_bytes(device_type: str) -> int:
+        """Bytes of the KV caches alive in this process on devices of `device_type`. Host memory is committed
+        only when first touched, so a host memory probe does not see a pool that is still untouched: such a
+        platform subtracts this from what it reports free (counting touched pages twice errs on the safe side)."""
+        return sum(cache.nbytes for cache in list(_live_caches) if cache.device.type == device_type)
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store `k`, `v` ([n, num_kv_heads, head_dim], model dtype) at `slots` of layer `layer_id`.

@@ -10,6 +10,7 @@ import torch
 
 from omnirun.devices.cpu.host_event import HostEvent
 from omnirun.devices.cpu.host_memory import host_memory_info, peak_rss, reset_peak_rss
+from omnirun.memory import PagedKVCache
 from omnirun.platform import Capabilities, Platform, ProbeResult
 
 
@@ -60,7 +61,10 @@ class CpuPlatform(Platform):
         return HostEvent(enable_timing)
 
     def memory_info(self, index: int | None = None) -> tuple[int, int]:
-        return host_memory_info()
+        # A KV pool's pages are committed when first written: count the pools of this process as taken from the
+        # start, or a second runner would size its pool from memory the first one has already claimed.
+        free, total = host_memory_info()
+        return max(free - PagedKVCache.reserved_bytes("cpu"), 0), total
 
     def fused_ops(self) -> dict[str, Callable[..., Any]]:
         from omnirun.devices.cpu import packed_linear

@@ -1,0 +1,55 @@
+"""Ctrl-C during `generate`, for real: SIGINT sent to a child process mid-generation leaves its LLM usable."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from omnirun import LLM, SamplingParams
+
+    llm = LLM(device=sys.argv[1], max_total_tokens=8192, dtype="float32")
+    short = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    expected = llm.generate("Hello", short, use_tqdm=False)[0].token_ids
+    print("generating", flush=True)
+    try:
+        llm.generate(["Hello"] * 8, SamplingParams(temperature=0, max_new_tokens=900, ignore_eos=True), use_tqdm=False)
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    usage = llm.kv_usage()
+    after = llm.generate("Hello", short, use_tqdm=False)[0].token_ids
+    print(json.dumps({
+        "interrupted": interrupted,
+        "pages_free": usage.pages_free,
+        "pages_total": usage.pages_total,
+        "held": usage.pages_held,
+        "same_after": after == expected,
+    }), flush=True)
+    llm.close()
+    """
+)
+
+
+def test_ctrl_c_during_generate_aborts_its_requests_and_the_llm_goes_on(device_name):
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, device_name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "generating", child.stderr.read()
+        time.sleep(1.0)  # well into the 8 x 900 tokens
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["interrupted"], "the 8 x 900 tokens finished before the signal: make the work longer"
+    assert report["held"] == {} and report["pages_free"] == report["pages_total"]
+    assert report["same_after"]
