@@ -114,16 +114,20 @@ def test_failure_half_way_rolls_back_every_bit(runner, new_checkpoint, monkeypat
 
 def test_update_from_tensor_and_get_by_name(runner):
     name = "model.layers.1.self_attn.k_proj.weight"  # a shard of the fused qkv projection
+    q_name, v_name = name.replace("k_proj", "q_proj"), name.replace("k_proj", "v_proj")
     current = runner.get_weights_by_name(name)
     assert current.shape == (2 * 16, 64)
+    q_before, v_before = runner.get_weights_by_name(q_name), runner.get_weights_by_name(v_name)
     new = torch.randn_like(current)
     runner.update_weights_from_tensor([(name, new), ("model.norm.weight", torch.ones(64))])
     assert torch.equal(runner.get_weights_by_name(name), new)
     assert torch.equal(runner.get_weights_by_name(name, truncate_size=3), new[:3])
     assert torch.equal(runner.get_weights_by_name("model.norm.weight"), torch.ones(64, device=runner.device))
-    # the q and v rows around the k shard are untouched by writing k
-    q = runner.get_weights_by_name("model.layers.1.self_attn.q_proj.weight")
-    assert not torch.equal(q[: new.shape[0]], new)
+    # the q and v rows around the k shard are untouched by writing k, and the fused rows are q | new k | v
+    assert torch.equal(runner.get_weights_by_name(q_name), q_before)
+    assert torch.equal(runner.get_weights_by_name(v_name), v_before)
+    fused = runner.model.model.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(fused, torch.cat([q_before, new, v_before]))
 
     before = _param_hashes(runner)
     with pytest.raises(WeightUpdateError, match="not a parameter of this model"):

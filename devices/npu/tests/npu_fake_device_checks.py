@@ -71,16 +71,19 @@ def test_probe_answers_when_the_driver_query_raises(npu, monkeypatch):
     assert "RuntimeError: drvGetDevNum failed, error code 87" in probe.reason
 
 
+BF16, F16, F32, E4M3, E5M2 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2
+
+
 @pytest.mark.parametrize(
-    ("device_name", "bf16", "model_dtypes", "fp8"),
+    ("device_name", "bf16", "model_dtypes", "fp8", "kv_cache_dtypes"),
     [
-        ("Ascend910B3", True, (torch.bfloat16, torch.float16, torch.float32), False),  # Atlas A2
-        ("Ascend910_9392", True, (torch.bfloat16, torch.float16, torch.float32), False),  # Atlas A3
-        ("Ascend950PR_9579", True, (torch.bfloat16, torch.float16, torch.float32), True),  # Ascend 950
-        ("Ascend310P3", False, (torch.float16, torch.float32), False),  # Atlas 300I Duo
+        ("Ascend910B3", True, (BF16, F16, F32), False, (BF16, F16, F32)),  # Atlas A2
+        ("Ascend910_9392", True, (BF16, F16, F32), False, (BF16, F16, F32)),  # Atlas A3
+        ("Ascend950PR_9579", True, (BF16, F16, F32), True, (BF16, F16, F32, E4M3, E5M2)),  # Ascend 950
+        ("Ascend310P3", False, (F16, F32), False, (F16, F32)),  # Atlas 300I Duo
     ],
 )
-def test_capabilities_follow_the_soc(npu, device_name, bf16, model_dtypes, fp8):
+def test_capabilities_follow_the_soc(npu, device_name, bf16, model_dtypes, fp8, kv_cache_dtypes):
     npu.device_name, npu.bf16 = device_name, bf16
     npu.current = 1
     caps = NpuPlatform().capabilities
@@ -88,8 +91,7 @@ def test_capabilities_follow_the_soc(npu, device_name, bf16, model_dtypes, fp8):
     assert ("get_device_name", 1) in npu.calls  # the name of the current device
     assert caps.model_dtypes == model_dtypes and caps.bf16 == bf16
     assert caps.fp8 == fp8
-    fp8_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2) if fp8 else ()
-    assert caps.kv_cache_dtypes == model_dtypes + fp8_dtypes
+    assert caps.kv_cache_dtypes == kv_cache_dtypes
     assert caps.supports_triton is False and caps.graph_capture == "npu_graph"
 
 

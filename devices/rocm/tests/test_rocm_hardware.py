@@ -5,12 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnirun.devices.rocm.gfx_arch import GfxArch, fp8_dtypes
 from omnirun.devices.rocm.platform import RocmPlatform
 
 pytestmark = pytest.mark.device("rocm")
 
 MiB = 1 << 20
+FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+OCP = (torch.float8_e4m3fn, torch.float8_e5m2)
+# fp8 per gfx target as AMD documents it (ROCm's precision-support table), written out here rather than asked of
+# the code under test: the MI300 series compute in the FNUZ encodings, the MI350 series and RDNA4 in OCP's.
+FP8_BY_TARGET = {"gfx940": FNUZ, "gfx941": FNUZ, "gfx942": FNUZ, "gfx950": OCP, "gfx1200": OCP, "gfx1201": OCP}
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +27,8 @@ def test_capabilities_match_the_gpu(rocm: RocmPlatform):
     gcn_arch_name = torch.cuda.get_device_properties(rocm.current_device()).gcnArchName
     assert caps.device_name.endswith(f"({gcn_arch_name.split(':')[0]})")
     assert caps.graph_capture == "hip_graph"
-    assert (caps.fp8_e4m3_dtype, caps.fp8_e5m2_dtype) == fp8_dtypes(GfxArch.parse(gcn_arch_name))
+    target = gcn_arch_name.split(":")[0]
+    assert (caps.fp8_e4m3_dtype, caps.fp8_e5m2_dtype) == FP8_BY_TARGET.get(target, (None, None))
     # Every advertised dtype really computes and converts on this GPU.
     ones = torch.ones(16, device=rocm.device())
     for dtype in caps.model_dtypes:
