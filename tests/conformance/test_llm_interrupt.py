@@ -7,19 +7,26 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 _CHILD = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, threading, time
     from omnirun import LLM, SamplingParams
 
-    llm = LLM(device=sys.argv[1], max_total_tokens=8192, dtype="float32")
+    llm = LLM(device=sys.argv[1], max_total_tokens=16384, dtype="float32")
     short = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     expected = llm.generate("Hello", short, use_tqdm=False)[0].token_ids
-    print("generating", flush=True)
+
+    def announce():  # once the requests hold pages, they are running: time for the parent's SIGINT
+        while not llm.kv_usage().pages_held:
+            time.sleep(0.002)
+        print("generating", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
     try:
-        llm.generate(["Hello"] * 8, SamplingParams(temperature=0, max_new_tokens=900, ignore_eos=True), use_tqdm=False)
+        # 16 requests to the end of the context: a thousand steps, seconds even on a fast GPU
+        long = SamplingParams(temperature=0, max_new_tokens=None, ignore_eos=True)
+        llm.generate(["Hello"] * 16, long, use_tqdm=False)
         interrupted = False
     except KeyboardInterrupt:
         interrupted = True
@@ -43,13 +50,12 @@ def test_ctrl_c_during_generate_aborts_its_requests_and_the_llm_goes_on(device_n
     )
     try:
         assert child.stdout.readline().strip() == "generating", child.stderr.read()
-        time.sleep(1.0)  # well into the 8 x 900 tokens
         child.send_signal(signal.SIGINT)
         out, err = child.communicate(timeout=120)
     finally:
         child.kill()
     assert child.returncode == 0, err
     report = json.loads(out.strip().splitlines()[-1])
-    assert report["interrupted"], "the 8 x 900 tokens finished before the signal: make the work longer"
+    assert report["interrupted"], "the long requests finished before the signal: make the work longer"
     assert report["held"] == {} and report["pages_free"] == report["pages_total"]
     assert report["same_after"]
