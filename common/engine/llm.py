@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -106,9 +107,9 @@ class LLM:
             return list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(_is_token_id(t) for t in prompt):
             raise ConfigError("a prompt is a string or a list of int token ids")
-        return list(prompt)
+        return [int(t) for t in prompt]
 
     def generate(
         self,
@@ -240,11 +241,15 @@ def _updated(engine: Engine, update: Any, *args: Any) -> None:
     engine.recompute_all()  # KV computed with the old weights is stale
 
 
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # numpy ints too, never True
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(_is_token_id(t) for t in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
 
