@@ -30,6 +30,7 @@ from omnirun.loader import (
 )
 from omnirun.loader import checkpoint as checkpoint_module
 from omnirun.platform import Capabilities
+from omnirun.testing import randomize_constant_parameters
 
 
 def _tiny_config(**overrides) -> LlamaConfig:
@@ -47,7 +48,9 @@ def _tiny_config(**overrides) -> LlamaConfig:
 @pytest.fixture(scope="module")
 def tiny_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(_tiny_config())
+    model = LlamaForCausalLM(_tiny_config())
+    randomize_constant_parameters(model, seed=0)  # norm weights other than ones: a swapped tensor shows
+    return model
 
 
 @pytest.fixture(scope="module")
