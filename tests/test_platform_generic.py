@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnirun.platform import Capabilities, Platform, ProbeResult
+from omnirun.platform import Platform, ProbeResult
 
 # torch.cuda's lazy start-up: these create the context (torch.cuda.init docs; device_count/is_available do not).
 INITIALISING = {
@@ -77,7 +77,7 @@ class StubDeviceModule:
 class StubPlatform(Platform):
     name = "stub"
     torch_device_type = "cuda"  # any type torch.device parses; the module is the stub
-    dispatch_key = "CUDA"
+    api_version = 1
     distributed_backend = "gloo"
 
     def __init__(self, module: StubDeviceModule, probe_calls: str = "device_count"):
@@ -91,7 +91,7 @@ class StubPlatform(Platform):
         return ProbeResult.ok(getattr(self.module, self.probe_calls)())
 
     def _capabilities(self):
-        return Capabilities("stub", (torch.float32,), None, None, supports_triton=False, graph_capture=None)
+        raise AssertionError("these tests never need the capabilities")
 
 
 def test_a_probe_that_counts_devices_leaves_the_device_uninitialised():
