@@ -2,13 +2,20 @@
 
 `@pytest.mark.device("cuda")` marks a test that needs real hardware of that platform; it is skipped, with the
 platform's own probe reason, wherever that device is unavailable.
+
+`@pytest.mark.triton` marks a Triton kernel test. Tests select by capability, not by lane: where the `--device`
+platform's capabilities offer triton (the gate in `omnirun.kernels`), the kernels compile and run on that device;
+elsewhere they run in Triton's interpreter on CPU tensors. The `triton_device` fixture says which.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 import pytest
+import torch
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -19,12 +26,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Without a GPU, Triton kernels run in Triton's interpreter. The switch must be set before anything imports
-    # triton (transformers may, while tests are being collected), because triton reads it once.
-    import torch
+@functools.cache
+def _compiles_triton(device_name: str) -> bool:
+    """Whether the --device platform is available here and its capabilities offer the Triton kernels."""
+    from omnirun.kernels import offers_triton
+    from omnirun.registry import default_registry
 
-    if not torch.cuda.is_available():
+    platform = default_registry().platforms.get(device_name)
+    return platform is not None and platform.probe().available and offers_triton(platform.capabilities)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Where the device cannot compile Triton, its kernels run in the interpreter. The switch must be set before
+    # anything imports triton (transformers may, while tests are being collected), because triton reads it once.
+    if not _compiles_triton(config.getoption("--device")):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -32,6 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from omnirun.registry import default_registry
 
     registry = default_registry()
+    triton_missing = importlib.util.find_spec("triton") is None
     for item in items:
         for marker in item.iter_markers(name="device"):
             name = marker.args[0]
@@ -40,6 +56,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=f"needs {name}: no such platform is registered"))
             elif not (probe := platform.probe()).available:
                 item.add_marker(pytest.mark.skip(reason=f"needs {name}: {probe.reason}"))
+        if triton_missing and item.get_closest_marker("triton") is not None:
+            item.add_marker(pytest.mark.skip(reason="needs triton, which is not installed: pip install triton"))
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +73,25 @@ def platform(device_name: str):
     platform = get_platform(device_name)
     platform.require_available()
     return platform
+
+
+@pytest.fixture(scope="session")
+def triton_device(device_name: str) -> torch.device:
+    """Where a Triton kernel test puts its tensors: the lane's device if it compiles triton, else the CPU (the
+    kernels then run in Triton's interpreter)."""
+    if _compiles_triton(device_name):
+        from omnirun.registry import get_platform
+
+        return get_platform(device_name).device(0)
+    return torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def compiled_triton_platform(device_name: str):
+    """The lane's platform, for a kernel test that needs compiled kernels (a graph capture, a tuned launch at a
+    real shape); skipped where the kernels run in the interpreter."""
+    if not _compiles_triton(device_name):
+        pytest.skip(f"needs a --device whose capabilities offer triton compiled ({device_name!r} runs it interpreted)")
+    from omnirun.registry import get_platform
+
+    return get_platform(device_name)

@@ -23,8 +23,8 @@ from triton.testing import do_bench
 
 from omnirun.attention.backend import AttentionBackend, AttentionContext, AttentionLayerSpec
 from omnirun.attention.torch_native import TorchNativeAttention
-from omnirun.attention.triton_backend import TritonAttention
 from omnirun.batch import ForwardBatch, build_batch
+from omnirun.kernels.triton.attention_backend import TritonAttention
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
 
 

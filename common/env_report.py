@@ -25,12 +25,14 @@ class PlatformRow:
     memory_total: int | None
     distributed_backend: str | None
     attention_backends: list[str]
+    fused_ops: list[str]
     graph_capture: str | None
     packages: dict[str, str | None]
 
 
 def platform_row(platform: Platform) -> PlatformRow:
-    """Facts of one platform. Only an available platform is touched beyond its cheap probe."""
+    """Facts of one platform. Only an available platform is touched beyond its cheap probe. Backends, fused ops
+    and graphs are what the platform builds (its answers to the runner), not labels of their own."""
     probe = platform.probe()
     row = PlatformRow(
         name=platform.name,
@@ -42,6 +44,7 @@ def platform_row(platform: Platform) -> PlatformRow:
         memory_total=None,
         distributed_backend=platform.distributed_backend,
         attention_backends=[],
+        fused_ops=[],
         graph_capture=None,
         packages=platform.package_versions(),
     )
@@ -50,7 +53,9 @@ def platform_row(platform: Platform) -> PlatformRow:
         row.device_name = caps.device_name
         row.memory_free, row.memory_total = platform.memory_info(0)
         row.attention_backends = list(platform.attention_backends())
-        row.graph_capture = caps.graph_capture
+        row.fused_ops = sorted(platform.fused_ops())
+        graph_api = platform.graph_api()
+        row.graph_capture = graph_api.name if graph_api is not None else None
     return row
 
 
@@ -61,7 +66,7 @@ def collect(registry: PlatformRegistry, only: str | None = None) -> list[Platfor
             continue
         if name in registry.broken:
             broken = registry.broken[name]
-            rows.append(PlatformRow(name, "broken", broken.message(), 0, None, None, None, None, [], None, {}))
+            rows.append(PlatformRow(name, "broken", broken.message(), 0, None, None, None, None, [], [], None, {}))
         else:
             rows.append(platform_row(registry.platforms[name]))
     return rows
@@ -81,7 +86,8 @@ def to_json(rows: list[PlatformRow], selected: str | None) -> str:
 
 
 def to_table(rows: list[PlatformRow], selected: str | None) -> str:
-    columns = ["PLATFORM", "DEVICES", "MEMORY FREE/TOTAL", "DIST", "ATTENTION", "GRAPHS", "PACKAGES", "STATUS"]
+    columns = ["PLATFORM", "DEVICES", "MEMORY FREE/TOTAL", "DIST", "ATTENTION", "FUSED OPS", "GRAPHS", "PACKAGES"]
+    columns.append("STATUS")
     body = [_cells(r) for r in rows]
     widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns[:-1])]
     lines = [" · ".join(f"{k} {v}" for k, v in header().items())]
@@ -108,6 +114,7 @@ def _cells(row: PlatformRow) -> list[str]:
         memory,
         row.distributed_backend or "-",
         ",".join(row.attention_backends) or "-",
+        ",".join(row.fused_ops) or "-",
         row.graph_capture or "-",
         packages,
         status,

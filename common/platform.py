@@ -1,8 +1,11 @@
 """The Platform protocol: the facts a device answers and the parts it builds.
 
 The device-neutral runner talks to a device only through a Platform. A device package subclasses `Platform`,
-sets the identity attributes, implements `_probe()` and `_capabilities()`, and overrides a method only where the
-generic implementation (built on `torch.get_device_module`) is wrong for its device.
+sets the identity attributes and `api_version`, implements `_probe()` and `_capabilities()`, and overrides a method
+only where the generic implementation (built on `torch.get_device_module`) is wrong for its device.
+
+What a platform claims is computed from what it builds: graphs from `graph_api()`, attention backends from
+`attention_backends()`, fused ops from `fused_ops()`; `omnirun env` reports those answers, never a separate label.
 """
 
 from __future__ import annotations
@@ -11,11 +14,18 @@ import dataclasses
 import functools
 import importlib.metadata
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
 from omnirun.errors import DeviceUnavailableError
+
+if TYPE_CHECKING:
+    from omnirun.graphs import GraphAPI
+
+# The version of this contract. A platform sets `api_version` to the version it was written for (a literal, not
+# this constant); the registry refuses one written for another. Bump it when a hook changes meaning or signature.
+PLATFORM_API_VERSION = 1
 
 AttentionMode = Literal["prefill", "decode"]
 
@@ -48,10 +58,8 @@ class Capabilities:
     # (e4m3fn/e5m2 on NVIDIA and newer AMD, e4m3fnuz/e5m2fnuz on AMD gfx94x.)
     fp8_e4m3_dtype: torch.dtype | None
     fp8_e5m2_dtype: torch.dtype | None
-    # Triton kernels (attention, fused ops in common/) compile and run on this device.
+    # Triton kernels compile and run on this device: the one gate for every kernel in omnirun.kernels.triton.
     supports_triton: bool
-    # The graph mechanism the device offers ("cuda_graph", "hip_graph", ...), None: eager only.
-    graph_capture: str | None
     # Kernels are queued and run while the host goes on (GPUs, NPUs): the engine then schedules the next step
     # while the device runs this one. False where ops finish before they return (the host CPU).
     async_execution: bool = False
@@ -74,10 +82,10 @@ class Capabilities:
 class Platform:
     """One accelerator family. Subclasses live in `devices/<name>/platform.py` or in out-of-tree plugins."""
 
-    # --- identity (set by every subclass) ---
+    # --- identity (set by every subclass; the registry refuses a platform that lacks one) ---
+    api_version: ClassVar[int]  # the PLATFORM_API_VERSION this platform was written for, as a literal
     name: ClassVar[str]  # what the user types: --device <name>
     torch_device_type: ClassVar[str]  # torch.device type: "cuda" for rocm too
-    dispatch_key: ClassVar[str]  # torch dispatch key of its tensors: "CUDA", "XPU", "PrivateUse1", ...
     visible_devices_env: ClassVar[str | None] = None  # e.g. CUDA_VISIBLE_DEVICES
     distributed_backend: ClassVar[str]  # torch.distributed backend: nccl, hccl, xccl, gloo
     extra: ClassVar[str | None] = None  # pip extra that installs its vendor packages: omnirun[<extra>]
@@ -87,6 +95,17 @@ class Platform:
     # Share of the device's total memory the runner may fill with weights + KV cache when the user names none:
     # the rest is left for activations, graph pools and other processes.
     default_mem_fraction_static: ClassVar[float] = 0.85
+    # Decode batches above this run eagerly: capturing more sizes costs start-up time and pool memory for little
+    # gain (at these sizes the device, not the launches, is the bottleneck).
+    max_graph_batch_size: ClassVar[int] = 256
+
+    @property
+    def dispatch_key(self) -> str:
+        """torch's dispatch key for this device's tensors, derived from `torch_device_type` (not typed by hand):
+        the key of that name where torch has one (CUDA, XPU, CPU, ...), else PrivateUse1, the key out-of-tree
+        backends such as torch_npu register under. omnirun itself never branches on it."""
+        key = self.torch_device_type.upper()
+        return key if hasattr(torch._C.DispatchKey, key) else "PrivateUse1"
 
     # --- availability ---
     def probe(self) -> ProbeResult:
@@ -170,17 +189,40 @@ class Platform:
     def reset_peak_memory(self, index: int | None = None) -> None:
         self.device_module.reset_peak_memory_stats(self.device(index))
 
-    # --- factories: None means "use the device-neutral default" ---
+    # --- graphs: one answer, read by the runner and by `omnirun env` alike ---
+    def graph_api(self) -> GraphAPI | None:
+        """How this device captures and replays graphs (`omnirun.graphs.GraphAPI`), or None: decode runs eagerly.
+        Override this, not `make_graph_runner`: what `omnirun env` reports about graphs is this answer."""
+        return None
+
     def make_graph_runner(self, runner: Any) -> Any | None:
-        """A graph runner that captures and replays decode steps, or None to run eagerly."""
-        return None
+        """The decode graph runner over `graph_api()`, or None to run eagerly."""
+        api = self.graph_api()
+        if api is None:
+            return None
+        from omnirun.graphs import DecodeGraphRunner
 
+        max_batch_size = min(runner.max_running_requests, self.max_graph_batch_size)
+        return DecodeGraphRunner(runner, api, max_batch_size=max_batch_size)
+
+    # --- collectives ---
     def make_communicator(self, group: Any) -> Any | None:
-        """A faster collective communicator for `group`, or None to use torch.distributed as it is."""
+        """A faster collective communicator for `group`, or None to use torch.distributed as it is.
+
+        A hook for the tensor-parallel runner, which does not exist yet: nothing calls it today, and no in-tree
+        platform overrides it. The collectives a platform has today are `distributed_backend`'s."""
         return None
 
+    # --- fused ops ---
     def fused_ops(self) -> Mapping[str, Callable[..., Any]]:
-        """Fused kernels by op name (rmsnorm, rotary, silu_and_mul, ...) overriding the torch-native reference."""
+        """Fused kernels by op name (rms_norm, rotary_embedding, silu_and_mul, ...) overriding the torch-native
+        references: the portable kernels the capabilities allow (`omnirun.kernels`), then the device's own."""
+        from omnirun.kernels import portable_fused_ops
+
+        return {**portable_fused_ops(self.capabilities), **self.device_fused_ops()}
+
+    def device_fused_ops(self) -> Mapping[str, Callable[..., Any]]:
+        """This device's own fused ops by op name; they replace a portable kernel of the same name."""
         return {}
 
     # --- attention ---

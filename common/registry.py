@@ -23,18 +23,22 @@ from omnirun.errors import (
     PluginLoadError,
     UnknownDeviceError,
 )
-from omnirun.platform import Platform
+from omnirun.platform import PLATFORM_API_VERSION, Platform
 
 ENTRY_POINT_GROUP = "omnirun.platforms"
 DEVICE_ENV_VAR = "OMNIRUN_DEVICE"
 AUTO = "auto"
+
+# What every platform must set or implement; the Platform base class provides everything else.
+REQUIRED_ATTRIBUTES = ("api_version", "name", "torch_device_type", "distributed_backend")
+REQUIRED_METHODS = ("_probe", "_capabilities")
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class BrokenPlugin:
-    """A registered platform that raised on load (or did not provide a Platform)."""
+    """A registered platform that raised on load, did not provide a Platform, or broke the contract."""
 
     name: str
     source: str  # "distribution version (module:attr)"
@@ -116,9 +120,30 @@ def _load_platform(ep: importlib.metadata.EntryPoint) -> Platform:
     platform = factory()
     if not isinstance(platform, Platform):
         raise TypeError(f"{ep.value} made a {type(platform).__name__}, not an omnirun.Platform")
+    check_contract(platform)
     if platform.name != ep.name:
         raise ValueError(f"entry point '{ep.name}' names a platform called '{platform.name}'; the two must match")
     return platform
+
+
+def check_contract(platform: Platform) -> None:
+    """Raise, in one line naming the fix, if `platform` lacks a required attribute or was written for another
+    version of the Platform contract."""
+    cls = type(platform)
+    missing = [name for name in REQUIRED_ATTRIBUTES if getattr(cls, name, None) in (None, "")]
+    missing += [f"{name}()" for name in REQUIRED_METHODS if getattr(cls, name) is getattr(Platform, name)]
+    if missing:
+        raise TypeError(
+            f"{cls.__name__} does not set {', '.join(missing)}: every Platform sets api_version = "
+            f"{PLATFORM_API_VERSION}, name, torch_device_type and distributed_backend, and implements _probe() "
+            "and _capabilities()"
+        )
+    if cls.api_version != PLATFORM_API_VERSION:
+        raise TypeError(
+            f"{cls.__name__} was written for omnirun platform API version {cls.api_version!r}, and this omnirun "
+            f"implements version {PLATFORM_API_VERSION}: install a release of the plugin made for version "
+            f"{PLATFORM_API_VERSION}, or an omnirun that implements version {cls.api_version!r}"
+        )
 
 
 def _source(ep: importlib.metadata.EntryPoint) -> str:

@@ -163,7 +163,6 @@ def caps(fp8: str | None) -> Capabilities:
         fp8_e4m3_dtype=e4m3,
         fp8_e5m2_dtype=e5m2,
         supports_triton=False,
-        graph_capture=None,
     )
 
 

@@ -51,11 +51,10 @@ def test_cpu_packed_bf16_linear_adds_the_bias(rows):
     torch.testing.assert_close(packed_linear.linear(x, w, b, prepared).float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_triton_gemv_linear_adds_the_bias():
-    pytest.importorskip("triton", reason="triton is not installed (the dev extra brings it)")
-    from omnirun.layers import triton_gemv
+@pytest.mark.triton
+def test_triton_gemv_linear_adds_the_bias(triton_device):
+    from omnirun.kernels.triton import gemv as triton_gemv
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x, w, b, expected = _operands(1, torch.bfloat16, device)
+    x, w, b, expected = _operands(1, torch.bfloat16, triton_device)
     out = triton_gemv.linear(x, w, b)  # one row of bf16: the GEMV's path
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)

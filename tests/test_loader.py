@@ -81,7 +81,6 @@ def _caps(*model_dtypes: torch.dtype, name: str = "accel") -> Capabilities:
         fp8_e4m3_dtype=None,
         fp8_e5m2_dtype=None,
         supports_triton=False,
-        graph_capture=None,
     )
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from omnirun.attention.backend import AttentionBackend, AttentionContext
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.errors import ConfigError
+from omnirun.kernels import offers_triton
 
 if TYPE_CHECKING:
     from omnirun.platform import Capabilities
@@ -19,18 +20,18 @@ TRITON = "triton"
 
 def _build_triton(context: AttentionContext) -> AttentionBackend:
     # Imported here, not at the top: the module imports triton, which `import omnirun` must never do.
-    from omnirun.attention.triton_backend import TritonAttention
+    from omnirun.kernels.triton.attention_backend import TritonAttention
 
     return TritonAttention(context)
 
 
-# Portable backends: torch_native runs everywhere; triton is offered where the capabilities say triton.
+# Portable backends: torch_native runs everywhere; triton is offered by the kernels' gate (omnirun.kernels).
 BUILTIN_BACKENDS: dict[str, BackendFactory] = {TorchNativeAttention.name: TorchNativeAttention, TRITON: _build_triton}
 
 
 def portable_backends(capabilities: Capabilities) -> tuple[str, ...]:
     """The portable backends a device with these capabilities can run, best first."""
-    if capabilities.supports_triton:
+    if offers_triton(capabilities):
         return (TRITON, TorchNativeAttention.name)
     return (TorchNativeAttention.name,)
 

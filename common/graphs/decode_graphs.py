@@ -1,8 +1,8 @@
 """Decode steps captured as device graphs, one per batch size, replayed with the batch padded to the next size.
 
-Device-neutral: a platform hands over its graph API (CUDA and HIP graphs through torch.cuda, NPUGraph through
-torch.npu, ...) and gets this runner from `make_graph_runner`. A decode step's inputs live in static buffers that
-every captured graph reads; a replay copies the batch into them, pads the rest with a harmless dummy request (row 0,
+Device-neutral: a platform's `graph_api()` hands over its graph API (CUDA and HIP graphs through torch.cuda, ...)
+and `make_graph_runner` builds this runner over it. A decode step's inputs live in static buffers that every
+captured graph reads; a replay copies the batch into them, pads the rest with a harmless dummy request (row 0,
 one token, writing the padding slot 0), lets the attention backend refresh its static metadata, and replays.
 """
 
@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class GraphAPI:
     """How a device captures graphs: torch.cuda.CUDAGraph / torch.cuda.graph / torch.cuda.graph_pool_handle, or
-    the same three of another device module."""
+    the same three of another device module. A platform's `graph_api()` returns one, or None for eager only."""
 
+    name: str  # what `omnirun env` shows: "cuda_graph", "hip_graph", ...
     new_graph: Callable[[], Any]
     capture: Callable[..., AbstractContextManager]  # capture(graph, pool=...)
     new_pool: Callable[[], Any]

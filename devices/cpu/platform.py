@@ -15,13 +15,12 @@ from omnirun.platform import Capabilities, Platform, ProbeResult
 
 
 class CpuPlatform(Platform):
+    api_version = 1
     name = "cpu"
     torch_device_type = "cpu"
-    dispatch_key = "CPU"
     visible_devices_env = None
     distributed_backend = "gloo"
     extra = "cpu"
-    vendor_packages = ("intel-extension-for-pytorch",)
     auto_priority = 0  # the fallback: auto picks it only when no accelerator is available
     # Host memory is shared with the OS and every other process: claim less of it than of an accelerator's.
     default_mem_fraction_static = 0.4
@@ -37,7 +36,6 @@ class CpuPlatform(Platform):
             fp8_e4m3_dtype=torch.float8_e4m3fn,
             fp8_e5m2_dtype=torch.float8_e5m2,
             supports_triton=False,
-            graph_capture=None,
         )
 
     # A CPU tensor's device is plain "cpu"; "cpu:0" compares unequal to it.
@@ -66,7 +64,7 @@ class CpuPlatform(Platform):
         free, total = host_memory_info()
         return max(free - PagedKVCache.reserved_bytes("cpu"), 0), total
 
-    def fused_ops(self) -> dict[str, Callable[..., Any]]:
+    def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
         from omnirun.devices.cpu import packed_linear
 
         return {"linear": packed_linear.linear, "prepare_linear": packed_linear.prepare_linear}

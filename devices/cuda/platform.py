@@ -8,14 +8,15 @@ from typing import Any
 
 import torch
 
-from omnirun.devices.cuda.torch_gpu import (
+from omnirun.devices.torch_gpu import (
     gpu_model_dtypes,
-    torch_cuda_graph_runner,
+    torch_cuda_graph_api,
     torch_gpu_build,
-    triton_fused_ops_if_supported,
     triton_installed,
     visible_devices_note,
 )
+from omnirun.graphs import GraphAPI
+from omnirun.kernels import offers_triton
 from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
 
 # Compute capabilities (major, minor) where a feature starts.
@@ -38,9 +39,9 @@ def _build_flashinfer(context: Any) -> Any:
 
 
 class CudaPlatform(Platform):
+    api_version = 1
     name = "cuda"
     torch_device_type = "cuda"
-    dispatch_key = "CUDA"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     distributed_backend = "nccl"
     extra = "cuda"
@@ -77,21 +78,20 @@ class CudaPlatform(Platform):
             fp8_e4m3_dtype=torch.float8_e4m3fn if has_fp8 else None,
             fp8_e5m2_dtype=torch.float8_e5m2 if has_fp8 else None,
             supports_triton=triton_installed() and sm >= TRITON_MIN_SM,
-            graph_capture="cuda_graph",
             async_execution=True,
         )
 
-    def fused_ops(self) -> dict[str, Callable[..., Any]]:
-        ops = triton_fused_ops_if_supported(self.capabilities.supports_triton)
-        if ops:
-            # One-row matmuls on small weights beat cuBLAS on Hopper (measured on an H200; untried on ROCm).
-            from omnirun.layers.triton_gemv import skinny_linear_ops  # imports triton
+    def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
+        # The Triton GEMV for one-row matmuls is cuda's own, not a portable kernel: it beat cuBLAS only where it
+        # was measured (an H200, bench/results_h200_gemv.json) and is untried on ROCm and XPU.
+        if not offers_triton(self.capabilities):
+            return {}
+        from omnirun.kernels.triton.gemv import skinny_linear_ops  # imports triton
 
-            ops.update(skinny_linear_ops())
-        return ops
+        return skinny_linear_ops()
 
-    def make_graph_runner(self, runner: Any) -> Any:
-        return torch_cuda_graph_runner(runner)
+    def graph_api(self) -> GraphAPI:
+        return torch_cuda_graph_api()
 
     def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
         return {FLASHINFER: _build_flashinfer} if flashinfer_installed() else {}

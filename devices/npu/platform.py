@@ -20,9 +20,9 @@ VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 
 
 class NpuPlatform(Platform):
+    api_version = 1
     name = "npu"
     torch_device_type = "npu"
-    dispatch_key = "PrivateUse1"  # torch_npu registers its kernels under PrivateUse1, renamed to "npu"
     visible_devices_env = VISIBLE_DEVICES_ENV
     distributed_backend = "hccl"  # registered with torch.distributed by `import torch_npu`
     extra = "npu"
@@ -55,9 +55,11 @@ class NpuPlatform(Platform):
             # common/'s Triton kernels target CUDA, ROCm and XPU; Ascend's Triton is the separate triton-ascend
             # compiler, and its kernels would live in this package.
             supports_triton=False,
-            graph_capture="npu_graph",  # torch.npu.NPUGraph: capture and replay, as torch.cuda.CUDAGraph
             async_execution=True,
         )
+
+    # No graph_api() yet: torch.npu.NPUGraph mirrors torch.cuda.CUDAGraph, but no NPU attention backend here can
+    # run inside a graph and the capture was never tried on an Ascend device, so decode runs eagerly.
 
     @property
     def device_module(self) -> Any:

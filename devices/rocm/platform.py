@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from omnirun.devices.cuda.torch_gpu import (
+from omnirun.devices.rocm.gfx_arch import GfxArch, fp8_dtypes, gfx_target, has_bf16
+from omnirun.devices.torch_gpu import (
     gpu_model_dtypes,
-    torch_cuda_graph_runner,
+    torch_cuda_graph_api,
     torch_gpu_build,
-    triton_fused_ops_if_supported,
     triton_installed,
     visible_devices_note,
 )
-from omnirun.devices.rocm.gfx_arch import GfxArch, fp8_dtypes, gfx_target, has_bf16
+from omnirun.graphs import GraphAPI
 from omnirun.platform import Capabilities, Platform, ProbeResult
 
 # The HIP runtime honours all three; the first is the one to set.
@@ -23,13 +20,13 @@ VISIBILITY_ENVS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_
 
 
 class RocmPlatform(Platform):
+    api_version = 1
     name = "rocm"
     torch_device_type = "cuda"  # ROCm torch keeps the cuda device type and API
-    dispatch_key = "CUDA"
     visible_devices_env = VISIBILITY_ENVS[0]
     distributed_backend = "nccl"  # on a ROCm build torch's nccl backend is RCCL
     extra = "rocm"
-    vendor_packages = ("triton", "amd-aiter")
+    vendor_packages = ("triton",)
     auto_priority = 100
 
     def _probe(self) -> ProbeResult:
@@ -63,12 +60,8 @@ class RocmPlatform(Platform):
             fp8_e4m3_dtype=fp8_e4m3,
             fp8_e5m2_dtype=fp8_e5m2,
             supports_triton=triton_installed(),
-            graph_capture="hip_graph",
             async_execution=True,
         )
 
-    def fused_ops(self) -> dict[str, Callable[..., Any]]:
-        return triton_fused_ops_if_supported(self.capabilities.supports_triton)
-
-    def make_graph_runner(self, runner: Any) -> Any:
-        return torch_cuda_graph_runner(runner)
+    def graph_api(self) -> GraphAPI:
+        return torch_cuda_graph_api()  # HIP graphs, behind torch.cuda

@@ -1,1 +1,1 @@
-"""Intel GPUs as an omnirun device, through torch's own torch.xpu; intel-extension-for-pytorch is optional."""
+"""Intel GPUs as an omnirun device, through torch's own torch.xpu; intel-extension-for-pytorch is not used."""

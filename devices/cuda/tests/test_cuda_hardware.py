@@ -21,7 +21,7 @@ def test_capabilities_match_the_gpu(cuda: CudaPlatform):
     caps = cuda.capabilities
     sm = torch.cuda.get_device_capability()
     assert caps.device_name == torch.cuda.get_device_name()
-    assert caps.graph_capture == "cuda_graph"
+    assert cuda.graph_api().name == "cuda_graph"
     assert caps.bf16 is (sm >= (8, 0))  # H200 (sm90): True
     assert caps.fp8_e4m3_dtype is (torch.float8_e4m3fn if sm >= (8, 9) else None)  # sm90: e4m3fn
     # Every advertised dtype really computes and converts on this GPU.

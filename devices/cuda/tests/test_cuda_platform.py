@@ -127,7 +127,13 @@ def test_capabilities_follow_the_compute_capability(fake_gpu, capability, dtypes
     assert caps.fp8_e4m3_dtype is fp8
     assert caps.fp8_e5m2_dtype is (torch.float8_e5m2 if fp8 else None)
     assert caps.supports_triton is triton
-    assert caps.graph_capture == "cuda_graph"
+
+
+def test_graphs_are_cuda_graphs(fake_gpu):
+    api = CudaPlatform().graph_api()
+    assert api.name == "cuda_graph"
+    cuda = torch.cuda
+    assert (api.new_graph, api.capture, api.new_pool) == (cuda.CUDAGraph, cuda.graph, cuda.graph_pool_handle)
 
 
 def test_capabilities_describe_the_current_device(fake_gpu):

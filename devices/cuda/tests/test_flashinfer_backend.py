@@ -31,15 +31,16 @@ from omnirun.devices.cuda.platform import CudaPlatform, flashinfer_installed
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
 from omnirun.testing import fill_prefixes, greedy_generate, make_runner
 
-if not torch.cuda.is_available():
-    _MISSING = "needs an NVIDIA GPU: torch sees no CUDA device"
+_CUDA = CudaPlatform().probe()
+if not _CUDA.available:
+    _MISSING = f"needs an NVIDIA GPU: {_CUDA.reason}"
 elif not flashinfer_installed():
     _MISSING = "needs flashinfer: python3 -m pip install --no-deps flashinfer_python-*.whl apache_tvm_ffi-*.whl"
 else:
     _MISSING = ""
 needs_flashinfer = pytest.mark.skipif(bool(_MISSING), reason=_MISSING)
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = torch.device("cuda" if _CUDA.available else "cpu")
 CONTEXT_LEN = 1024
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -146,7 +147,7 @@ def test_cuda_offers_flashinfer_only_when_installed_and_never_as_default(monkeyp
     from omnirun.devices.cuda import platform as cuda_module
     from omnirun.platform import Capabilities
 
-    caps = Capabilities("fake H200", (BF16, torch.float16, torch.float32), FP8, torch.float8_e5m2, True, "cuda_graph")
+    caps = Capabilities("fake H200", (BF16, torch.float16, torch.float32), FP8, torch.float8_e5m2, True)
     cuda = CudaPlatform()
     monkeypatch.setattr(CudaPlatform, "capabilities", caps)
     for installed, offered in ((True, ("triton", "flashinfer", "torch_native")), (False, ("triton", "torch_native"))):

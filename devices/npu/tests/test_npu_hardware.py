@@ -25,4 +25,4 @@ def test_probe_finds_devices(npu):
 def test_capabilities_name_an_ascend_soc(npu):
     caps = npu.capabilities
     assert caps.device_name.startswith("Ascend")
-    assert torch.float16 in caps.model_dtypes and caps.graph_capture == "npu_graph"
+    assert torch.float16 in caps.model_dtypes

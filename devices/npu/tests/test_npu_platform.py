@@ -34,6 +34,7 @@ def test_identity():
     platform = default_registry().get("npu")
     assert isinstance(platform, NpuPlatform)
     assert (platform.name, platform.torch_device_type, platform.dispatch_key) == ("npu", "npu", "PrivateUse1")
+    assert platform.graph_api() is None  # no graph runner yet: `omnirun env` must not claim NPU graphs
     assert platform.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
     assert platform.distributed_backend == "hccl"
     assert platform.extra == "npu" and platform.vendor_packages == ("torch-npu",)

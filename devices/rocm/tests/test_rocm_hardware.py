@@ -26,7 +26,7 @@ def test_capabilities_match_the_gpu(rocm: RocmPlatform):
     caps = rocm.capabilities
     gcn_arch_name = torch.cuda.get_device_properties(rocm.current_device()).gcnArchName
     assert caps.device_name.endswith(f"({gcn_arch_name.split(':')[0]})")
-    assert caps.graph_capture == "hip_graph"
+    assert rocm.graph_api().name == "hip_graph"
     target = gcn_arch_name.split(":")[0]
     assert (caps.fp8_e4m3_dtype, caps.fp8_e5m2_dtype) == FP8_BY_TARGET.get(target, (None, None))
     # Every advertised dtype really computes and converts on this GPU.

@@ -60,7 +60,7 @@ def test_identity():
     assert rocm.visible_devices_env == "HIP_VISIBLE_DEVICES"
     assert rocm.distributed_backend == "nccl"
     assert rocm.extra == "rocm"
-    assert rocm.vendor_packages == ("triton", "amd-aiter")
+    assert rocm.vendor_packages == ("triton",)
     assert rocm.auto_priority == 100
 
 
@@ -153,8 +153,14 @@ def test_capabilities_follow_the_gfx_arch(fake_gpu, gcn_arch_name, dtypes, fp8):
     caps = RocmPlatform().capabilities
     assert caps.model_dtypes == dtypes
     assert (caps.fp8_e4m3_dtype, caps.fp8_e5m2_dtype) == fp8
-    assert caps.graph_capture == "hip_graph"
     assert caps.supports_triton
+
+
+def test_graphs_are_hip_graphs_through_torch_cuda(fake_gpu):
+    api = RocmPlatform().graph_api()
+    assert api.name == "hip_graph"
+    cuda = torch.cuda
+    assert (api.new_graph, api.capture, api.new_pool) == (cuda.CUDAGraph, cuda.graph, cuda.graph_pool_handle)
 
 
 def test_capabilities_describe_the_current_device_by_name_and_target(fake_gpu):

@@ -1,13 +1,17 @@
-"""Facts about torch's GPU build, shared by the cuda and rocm platforms: a ROCm torch runs behind the torch.cuda API."""
+"""Facts about torch's GPU build, shared by the cuda and rocm platforms: a ROCm torch runs behind the torch.cuda API.
+
+It lives outside both device packages so that neither imports the other."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from omnirun.graphs import GraphAPI
 
 
 def torch_gpu_build() -> Literal["cuda", "rocm"] | None:
@@ -39,23 +43,10 @@ def gpu_model_dtypes(bf16: bool) -> tuple[torch.dtype, ...]:
     return halves + (torch.float32,)
 
 
-# Decode batches above this run eagerly: capturing more sizes costs start-up time and pool memory for little gain
-# (at these sizes the GPU, not the launches, is the bottleneck).
-MAX_GRAPH_BATCH_SIZE = 256
+def torch_cuda_graph_api() -> GraphAPI:
+    """torch.cuda's graph API: CUDA graphs on NVIDIA, HIP graphs on AMD (named after the build, for reports)."""
+    from omnirun.graphs import GraphAPI
 
-
-def triton_fused_ops_if_supported(supports_triton: bool) -> dict[str, Callable[..., Any]]:
-    """The Triton kernels for rmsnorm, rotary and silu-and-mul where triton runs; else none (the references)."""
-    if not supports_triton:
-        return {}
-    from omnirun.layers.triton_ops import triton_fused_ops  # imports triton: only once the device is chosen
-
-    return triton_fused_ops()
-
-
-def torch_cuda_graph_runner(runner: Any) -> Any:
-    """Decode graphs through torch.cuda's graph API: CUDA graphs on NVIDIA, HIP graphs on AMD."""
-    from omnirun.graphs import DecodeGraphRunner, GraphAPI
-
-    api = GraphAPI(new_graph=torch.cuda.CUDAGraph, capture=torch.cuda.graph, new_pool=torch.cuda.graph_pool_handle)
-    return DecodeGraphRunner(runner, api, max_batch_size=min(runner.max_running_requests, MAX_GRAPH_BATCH_SIZE))
+    name = "hip_graph" if torch_gpu_build() == "rocm" else "cuda_graph"
+    cuda = torch.cuda
+    return GraphAPI(name, new_graph=cuda.CUDAGraph, capture=cuda.graph, new_pool=cuda.graph_pool_handle)

@@ -9,31 +9,27 @@ those elements may differ by one bfloat16 ulp. Float32 results are compared with
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
-
 pytest.importorskip("triton", reason="triton is not installed (pip install 'omnirun[cuda]' or '[rocm]')")
 
-from omnirun.layers import native_ops  # noqa: E402
-from omnirun.layers.ops import resolve_ops  # noqa: E402
-from omnirun.layers.rotary import cos_sin_table  # noqa: E402
-from omnirun.layers.triton_ops import (  # noqa: E402
+from omnirun.kernels.triton.ops import (  # noqa: E402
     add_rms_norm,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
     triton_fused_ops,
 )
-from omnirun.platform import Capabilities  # noqa: E402
+from omnirun.layers import native_ops  # noqa: E402
+from omnirun.layers.ops import resolve_ops  # noqa: E402
+from omnirun.layers.rotary import cos_sin_table  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
 EPS = 1e-6
 # A float32 value this close to a bfloat16 midpoint may round either way once a reduction's order changes.
 BOUNDARY_ULPS = 64
@@ -187,29 +183,6 @@ def test_the_op_table_takes_every_kernel():
     table = resolve_ops(ops)
     assert table.rms_norm is rms_norm and table.rotary_embedding is rotary_embedding
     assert table.linear is native_ops.linear  # what the kernels do not cover stays the reference
-
-
-def _capabilities(supports_triton: bool) -> Capabilities:
-    return Capabilities(
-        device_name="stub",
-        model_dtypes=(torch.bfloat16, torch.float16, torch.float32),
-        fp8_e4m3_dtype=None,
-        fp8_e5m2_dtype=None,
-        supports_triton=supports_triton,
-        graph_capture=None,
-    )
-
-
-@pytest.mark.parametrize("platform_module,class_name", [("cuda", "CudaPlatform"), ("rocm", "RocmPlatform")])
-def test_gpu_platforms_offer_the_kernels_only_where_triton_runs(platform_module: str, class_name: str):
-    from omnirun.layers.triton_gemv import skinny_linear_ops
-
-    module = __import__(f"omnirun.devices.{platform_module}.platform", fromlist=[class_name])
-    with_triton = triton_fused_ops() | (skinny_linear_ops() if platform_module == "cuda" else {})
-    for supports_triton, expected in ((True, with_triton), (False, {})):
-        platform = getattr(module, class_name)()
-        platform.__dict__["capabilities"] = _capabilities(supports_triton)  # a cached_property: set, not probed
-        assert platform.fused_ops() == expected
 
 
 def test_importing_the_gpu_platforms_does_not_import_triton():

@@ -4,7 +4,7 @@ One program per (request, query head, block of BLOCK_M new tokens). The new toke
 (the backend stores them first), so all keys are read through the request-to-token table. A program walks the keys
 in two phases: those before its first query position, which every query of the block sees (no causal mask), then
 the diagonal blocks up to its last query position, with the causal mask. Blocks wholly before the sliding window of
-the block's first query are skipped. Online softmax in float32, base 2 (see triton_decode).
+the block's first query are skipped. Online softmax in float32, base 2 (see decode.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omnirun.attention.triton_decode import LOG2E, dot_dtype, head_block, online_softmax_block
+from omnirun.kernels.triton.decode import LOG2E, dot_dtype, head_block, online_softmax_block
 
 
 @triton.jit

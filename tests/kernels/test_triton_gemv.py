@@ -7,9 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnirun.layers.triton_gemv import GEMV_MAX_WEIGHT_ELEMENTS, gemv, linear
+pytest.importorskip("triton", reason="triton is not installed: the GEMV needs it")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from omnirun.kernels.triton.gemv import GEMV_MAX_WEIGHT_ELEMENTS, gemv, linear  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -28,7 +31,7 @@ def test_gemv_equals_a_float32_matmul_rounded_once(dtype, m, n, k, with_bias):
 
 
 def test_linear_takes_the_gemv_for_one_row_and_torch_otherwise(monkeypatch):
-    import omnirun.layers.triton_gemv as module
+    import omnirun.kernels.triton.gemv as module
 
     calls = []
     monkeypatch.setattr(module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or F.linear(*a[:3]))
@@ -41,8 +44,7 @@ def test_linear_takes_the_gemv_for_one_row_and_torch_otherwise(monkeypatch):
     assert GEMV_MAX_WEIGHT_ELEMENTS < 4096 * 14336  # an 8B model's MLP weights stay with torch
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the tuned launch at a real shape")
-def test_gemv_at_a_real_shape_with_the_tuned_launch():
-    x = torch.randn(1, 4096, dtype=torch.bfloat16, device="cuda")
-    w = torch.randn(6144, 4096, dtype=torch.bfloat16, device="cuda") / 64
+def test_gemv_at_a_real_shape_with_the_tuned_launch(compiled_triton_platform):
+    x = torch.randn(1, 4096, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.randn(6144, 4096, dtype=torch.bfloat16, device=DEVICE) / 64
     torch.testing.assert_close(linear(x, w, None).float(), x.float() @ w.float().T, rtol=8e-3, atol=2e-3)

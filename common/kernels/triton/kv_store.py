@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omnirun.layers.triton_ops import round_to
+from omnirun.kernels.triton.ops import round_to
 
 # What the kernel does to a value before storing it (a constexpr: one compiled variant per cache dtype).
 _CAST, _E4M3_BITS, _E5M2_BITS = 0, 1, 2

@@ -1,4 +1,4 @@
-"""The one-launch KV store (triton_kv_store) against `PagedKVCache.set_kv`, the torch path it replaces.
+"""The one-launch KV store (omnirun.kernels.triton.kv_store) against `PagedKVCache.set_kv`, the torch path it replaces.
 
 Stores must agree bit for bit, every slot of the cache included (the slots not written must be left alone). Without
 a GPU the kernel runs in the Triton interpreter on CPU tensors.
@@ -6,26 +6,21 @@ a GPU the kernel runs in the Triton interpreter on CPU tensors.
 
 from __future__ import annotations
 
-import os
 import types
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Before anything imports triton: @triton.jit picks the interpreter when the kernels are defined.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton KV store needs it")
 
 from omnirun.attention.backend import AttentionContext, AttentionLayerSpec  # noqa: E402
 from omnirun.attention.torch_native import TorchNativeAttention  # noqa: E402
-from omnirun.attention.triton_backend import TritonAttention  # noqa: E402
-from omnirun.attention.triton_kv_store import store_kv, supports  # noqa: E402
+from omnirun.kernels.triton.attention_backend import TritonAttention  # noqa: E402
+from omnirun.kernels.triton.kv_store import store_kv, supports  # noqa: E402
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
 FP8 = [dt for dt in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if dt is not None]
 CACHE_DTYPES = [torch.bfloat16, torch.float16, torch.float32, *FP8]
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -190,17 +185,19 @@ def test_supports_and_rejects():
     assert not cache.any()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph capture")
-def test_cuda_graph_replay_stores_new_data():
+def test_graph_replay_stores_new_data(compiled_triton_platform):
     """Captured once, replayed with new K/V and new slots in the same buffers: no host sync, no per-call state."""
+    api = compiled_triton_platform.graph_api()
+    if api is None:
+        pytest.skip(f"{compiled_triton_platform.name} builds no graph API: nothing to capture")
     kv_heads, head_dim, n, cache_dtype = 8, 128, 4, FP8[0] if FP8 else torch.bfloat16
     gen = torch.Generator().manual_seed(11)
     k, v = _fused_qkv(n, kv_heads * head_dim, torch.bfloat16, gen)
     slots = torch.tensor([3, 1, 8, 6], device=DEVICE)
     ref, mine = _caches(10, kv_heads, head_dim, cache_dtype)
     store_kv(mine.k_buffers[0], mine.v_buffers[0], slots, k, v)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    graph = api.new_graph()
+    with api.capture(graph, pool=api.new_pool()):
         store_kv(mine.k_buffers[0], mine.v_buffers[0], slots, k, v)
     shape = (n, kv_heads, head_dim)
     ref.set_kv(0, slots.clone(), k.view(shape), v.view(shape))  # what the eager call stored
@@ -210,6 +207,6 @@ def test_cuda_graph_replay_stores_new_data():
     slots.copy_(torch.tensor([0, 9, 2, 5]))
     graph.replay()
     ref.set_kv(0, slots, k.view(shape), v.view(shape))
-    torch.cuda.synchronize()
+    compiled_triton_platform.synchronize()
     _assert_same_bits(mine.k_buffers[0], ref.k_buffers[0])
     _assert_same_bits(mine.v_buffers[0], ref.v_buffers[0])

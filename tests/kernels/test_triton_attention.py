@@ -6,31 +6,25 @@ splits make even short sequences walk several key blocks and splits.
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import random
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Before anything imports triton: @triton.jit picks the interpreter when the kernels are defined.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import dataclasses  # noqa: E402
-import random  # noqa: E402
-
-import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton attention backend needs it")
 
 from omnirun.attention.backend import AttentionContext, AttentionLayerSpec  # noqa: E402
 from omnirun.attention.registry import attention_factories, portable_backends  # noqa: E402
 from omnirun.attention.torch_native import TorchNativeAttention  # noqa: E402
-from omnirun.attention.triton_backend import TritonAttention  # noqa: E402
 from omnirun.batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
+from omnirun.kernels.triton.attention_backend import TritonAttention  # noqa: E402
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool  # noqa: E402
 from omnirun.platform import Capabilities  # noqa: E402
 from omnirun.testing import fill_prefixes  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
 CONTEXT_LEN = 192
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -223,7 +217,7 @@ def test_graph_replay_with_padding_matches_eager():
 
 def test_registry_offers_triton_only_where_capabilities_say_so():
     def caps(triton_ok: bool) -> Capabilities:
-        return Capabilities("test", (torch.float32,), None, None, supports_triton=triton_ok, graph_capture=None)
+        return Capabilities("test", (torch.float32,), None, None, supports_triton=triton_ok)
 
     assert portable_backends(caps(True)) == ("triton", "torch_native")
     assert portable_backends(caps(False)) == ("torch_native",)

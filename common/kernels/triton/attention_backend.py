@@ -12,11 +12,11 @@ import dataclasses
 
 import torch
 
-from omnirun.attention import triton_kv_store
 from omnirun.attention.backend import AttentionBackend, AttentionContext, AttentionLayerSpec
-from omnirun.attention.triton_decode import decode_attention, partial_buffers
-from omnirun.attention.triton_extend import extend_attention
 from omnirun.batch import ForwardBatch, ForwardMode
+from omnirun.kernels.triton import kv_store as triton_kv_store
+from omnirun.kernels.triton.decode import decode_attention, partial_buffers
+from omnirun.kernels.triton.extend import extend_attention
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ class TritonAttention(AttentionBackend):
 
     num_splits: how many parts decode splits each request's keys into (fixed, so a captured graph serves every
     sequence length); more splits keep the GPU busy at small batch sizes, fewer waste less on short sequences.
-    The remaining arguments tune the kernels' launches (None: the tiles `triton_extend.extend_tiles` picks).
+    The remaining arguments tune the kernels' launches (None: the tiles `extend.extend_tiles` picks).
     """
 
     name = "triton"
