@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 import pytest
+import torch
 
 from omnirun.errors import (
     DeviceUnavailableError,
@@ -14,19 +15,22 @@ from omnirun.errors import (
     PluginLoadError,
     UnknownDeviceError,
 )
-from omnirun.platform import Platform, ProbeResult
+from omnirun.platform import PLATFORM_API_VERSION, Capabilities, Platform, ProbeResult
 from omnirun.registry import DEVICE_ENV_VAR, PlatformRegistry
 
 
 def make_platform(name: str, available: bool = True, priority: int = 50, reason: str = "") -> type[Platform]:
     class Fake(Platform):
         torch_device_type = "cpu"
-        dispatch_key = "CPU"
+        api_version = 1
         distributed_backend = "gloo"
         auto_priority = priority
 
         def _probe(self) -> ProbeResult:
             return ProbeResult.ok(1) if available else ProbeResult.unavailable(reason or f"{name} is switched off")
+
+        def _capabilities(self) -> Capabilities:
+            return Capabilities(name, (torch.float32,), None, None, supports_triton=False)
 
     Fake.name = name
     return Fake
@@ -138,6 +142,56 @@ def test_entry_point_must_make_a_platform_of_its_own_name():
     assert set(reg.broken) == {"notaplatform", "misnamed"}
     assert "not an omnirun.Platform" in reg.broken["notaplatform"].error
     assert "names a platform called 'other'" in reg.broken["misnamed"].error
+
+
+def test_plugin_for_another_api_version_is_kept_as_broken_naming_both_versions_and_the_fix():
+    old = make_platform("old")
+    old.api_version = PLATFORM_API_VERSION - 1
+    reg = registry(EntryPoint("cpu", make_platform("cpu")), EntryPoint("old", old, Dist("old-omnirun", "0.1")))
+    assert "old" in reg.broken and "old" not in reg.platforms and "old" in reg.names()
+    message = reg.broken["old"].message()
+    assert "\n" not in message
+    assert f"platform API version {PLATFORM_API_VERSION - 1}" in message
+    assert f"implements version {PLATFORM_API_VERSION}" in message
+    assert "install a release of the plugin made for version" in message
+    with pytest.raises(PluginLoadError, match="old-omnirun 0.1"):
+        reg.select("old")
+
+
+@pytest.mark.parametrize(
+    "missing",
+    [
+        ["api_version"],
+        ["name"],
+        ["torch_device_type"],
+        ["distributed_backend"],
+        ["_probe"],
+        ["_capabilities"],
+        ["api_version", "_capabilities"],
+    ],
+)
+def test_plugin_lacking_a_required_attribute_is_kept_as_broken_naming_what_is_missing(missing):
+    base = make_platform("lacking")
+    attrs = {name: getattr(Platform, name, None) for name in missing}  # back to what the base class provides
+    lacking = type("Lacking", (base,), {k: v for k, v in attrs.items() if v is not None})
+    for name in missing:
+        if attrs[name] is None:  # an annotation only on Platform: remove the subclass's value
+            setattr(lacking, name, None)
+    reg = registry(EntryPoint("cpu", make_platform("cpu")), EntryPoint("lacking", lacking))
+    assert set(reg.broken) == {"lacking"} and "lacking" in reg.names()
+    error = reg.broken["lacking"].error
+    assert "\n" not in error and error.startswith("TypeError: Lacking does not set ")
+    named = error.split(" does not set ", 1)[1].split(":", 1)[0].split(", ")
+    assert named == [f"{name}()" if name.startswith("_") else name for name in missing]
+    assert "implements _probe() and _capabilities()" in error  # the fix
+
+
+def test_in_tree_platforms_meet_the_contract():
+    from omnirun.registry import check_contract, default_registry
+
+    for platform in default_registry().platforms.values():
+        check_contract(platform)
+        assert type(platform).api_version == PLATFORM_API_VERSION
 
 
 def test_two_packages_claiming_one_name_is_an_error():

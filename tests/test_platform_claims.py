@@ -1,0 +1,63 @@
+"""What a platform claims is what it builds: `omnirun env` and the runner read the same answers (graph API, fused
+ops, attention backends), never a label of their own."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+
+from omnirun.devices.cpu.platform import CpuPlatform
+from omnirun.env_report import platform_row, to_table
+from omnirun.graphs import DecodeGraphRunner, GraphAPI
+from omnirun.registry import default_registry
+
+STUB_API = GraphAPI(
+    "stub_graph", new_graph=object, capture=lambda graph, pool=None: contextlib.nullcontext(), new_pool=object
+)
+
+
+class GraphCpu(CpuPlatform):
+    """The host CPU handing over a (stand-in) graph API."""
+
+    def graph_api(self) -> GraphAPI:
+        return STUB_API
+
+
+class NormCpu(CpuPlatform):
+    """The host CPU with one fused op of its own besides its packed linear."""
+
+    def device_fused_ops(self):
+        return {**super().device_fused_ops(), "rms_norm": lambda x, weight, eps: x}
+
+
+@pytest.mark.parametrize("running", [4, 1000])
+def test_the_graph_runner_is_built_over_the_platforms_graph_api(running):
+    runner = types.SimpleNamespace(max_running_requests=running)
+    graphs = GraphCpu().make_graph_runner(runner)
+    assert isinstance(graphs, DecodeGraphRunner) and graphs.api is STUB_API
+    assert graphs.max_batch_size == min(running, GraphCpu.max_graph_batch_size)
+    assert CpuPlatform().make_graph_runner(runner) is None  # no graph API: eager
+
+
+def test_the_report_shows_graphs_only_where_a_graph_api_is_built():
+    assert platform_row(GraphCpu()).graph_capture == "stub_graph"
+    assert platform_row(CpuPlatform()).graph_capture is None
+
+
+def test_the_report_lists_the_fused_ops_and_backends_the_platform_returns():
+    for platform in (CpuPlatform(), NormCpu()):
+        row = platform_row(platform)
+        assert row.fused_ops == sorted(platform.fused_ops())
+        assert row.attention_backends == list(platform.attention_backends())
+    assert platform_row(NormCpu()).fused_ops == ["linear", "prepare_linear", "rms_norm"]
+    table = to_table([platform_row(NormCpu())], "cpu")
+    assert "FUSED OPS" in table and "linear,prepare_linear,rms_norm" in table
+
+
+@pytest.mark.parametrize(
+    ("name", "key"), [("cuda", "CUDA"), ("rocm", "CUDA"), ("xpu", "XPU"), ("npu", "PrivateUse1"), ("cpu", "CPU")]
+)
+def test_the_dispatch_key_follows_the_torch_device_type(name, key):
+    assert default_registry().get(name).dispatch_key == key
