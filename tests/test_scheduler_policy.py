@@ -4,11 +4,12 @@ admitting, the running-request cap. A page is one token here, so the arithmetic 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from omnirun.batch import ForwardMode
 from omnirun.engine.request import Request
-from omnirun.engine.scheduler import Scheduler
+from omnirun.engine.scheduler import PENDING_TOKEN, Scheduler
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
 from omnirun.sampling import SamplingParams
 
@@ -67,17 +68,18 @@ def test_a_decode_step_that_does_not_fit_preempts_the_newest_request():
 
 
 def test_half_prefilled_prompts_that_block_each_other_preempt_the_newest():
-    s = _scheduler(20, chunk=8, budget=16)
-    a, b = _request(0, 15), _request(1, 15)
-    s.add(a)
-    s.add(b)
+    s = _scheduler(30, chunk=8, budget=24)
+    a, b, c = _request(0, 15), _request(1, 15), _request(2, 15)
+    for r in (a, b, c):
+        s.add(r)
     first = _step(s)
-    assert _ids(first.requests) == [0, 1] and (a.num_cached, b.num_cached) == (8, 8)
-    # 4 tokens free: neither prompt's next chunk (7, 8) fits and nobody decodes: B, started last, makes room
+    assert _ids(first.requests) == [0, 1, 2] and (a.num_cached, b.num_cached, c.num_cached) == (8, 8, 8)
+    # 6 tokens free: no prompt's next chunk (7) fits and nobody decodes: C, started last, makes room for A and B
     step = _step(s)
-    assert step.batch.mode is ForwardMode.EXTEND and _ids(step.requests) == [0] and a.num_cached == 15
-    assert b.num_preemptions == 1 and a.num_preemptions == 0
-    assert _ids(s.waiting) == [1] and b.row is None
+    assert step.batch.mode is ForwardMode.EXTEND and _ids(step.requests) == [0, 1]
+    assert a.num_cached == b.num_cached == 15
+    assert c.num_preemptions == 1 and a.num_preemptions == b.num_preemptions == 0
+    assert _ids(s.running) == [0, 1] and _ids(s.waiting) == [2] and c.row is None
 
 
 def test_prompts_are_prefilled_in_chunks_of_the_chunked_prefill_size():
@@ -170,3 +172,99 @@ def test_requests_admitted_together_into_an_idle_pool_leave_headroom_too():
     for i in range(2):
         s.add(_request(i, 5))  # 10 + one decode token each = 12
     assert _ids(_step(s).requests) == [0, 1]
+
+
+def test_a_prefill_budget_of_one_token_still_takes_one():
+    s = _scheduler(60, chunk=64, budget=11)
+    s.add(_request(0, 10))
+    s.add(_request(1, 10))
+    step = _step(s)
+    assert _ids(step.requests) == [0, 1] and step.batch.num_tokens == 11
+
+
+def test_pages_are_counted_in_whole_pages():
+    page = 4
+    kv = KVMemory(
+        PageAllocator(5, page),
+        ReqToTokenPool(4, CONTEXT, CPU),
+        PagedKVCache(1, 6 * page, 1, 4, torch.float32, CPU, page_size=page),
+        page,
+    )
+    s = Scheduler(
+        kv, CPU, max_running_requests=4, max_prefill_tokens=64, chunked_prefill_size=64, context_length=CONTEXT
+    )
+    s.add(_request(0, 9))  # 3 pages (2.25 if counted in fractions)
+    s.add(_request(1, 2))  # 1 page, and a page of headroom for each decode: 6 pages > 5
+    assert _ids(_step(s).requests) == [0] and kv.free_tokens == 2 * page
+
+
+def test_a_decode_step_feeds_each_request_its_newest_token():
+    s = _scheduler(60)
+    a, b = _request(0, 3), _request(1, 5)
+    s.add(a)
+    s.add(b)
+    _step(s)
+    a.output_ids[-1], b.output_ids[-1] = 41, 42
+    step = _step(s)
+    assert step.batch.mode is ForwardMode.DECODE and step.batch.input_ids.tolist() == [41, 42]
+    assert step.sampling == [0, 1] and not step.has_pending_inputs
+
+
+def test_a_token_still_on_the_device_is_fed_as_pending():
+    s = _scheduler(60)
+    a, b = _request(0, 3), _request(1, 5)
+    s.add(a)
+    s.add(b)
+    _step(s)
+    _step(s)  # a decode step whose tokens the host has not read yet (overlap scheduling)
+    a.output_ids.pop()
+    a.num_pending = 1
+    step = _step(s)
+    assert step.batch.input_ids.tolist() == [PENDING_TOKEN, 7] and step.has_pending_inputs
+
+
+def test_a_preempted_request_with_a_token_on_the_device_waits_for_it():
+    s = _scheduler(8)
+    a = _request(0, 8)
+    s.add(a)
+    _step(s)  # the pool is full
+    a.output_ids.pop()
+    a.num_pending = 1  # its first token is still on the device (overlap scheduling)
+    s.add(_request(1, 8))
+    # A's decode does not fit: A is preempted, but neither it nor B is scheduled (nor is it an error) until the
+    # step in flight delivers A's token
+    assert s.schedule() is None
+    assert _ids(s.waiting) == [0, 1] and s.num_preemptions == 1
+
+
+def test_a_request_larger_than_the_empty_pool_is_an_error_naming_it():
+    s = _scheduler(8)
+    s.add(_request(5, 9))
+    with pytest.raises(RuntimeError, match="request 5 does not fit in an empty KV pool"):
+        s.schedule()
+
+
+def test_preemptions_are_counted_per_request_and_in_all():
+    s = _scheduler(60)
+    a, b = _request(0, 4), _request(1, 4)
+    s.add(a)
+    s.add(b)
+    _step(s)
+    for _ in range(2):
+        s.preempt(b)
+        _step(s)  # B is recomputed
+    s.preempt(a)
+    assert (a.num_preemptions, b.num_preemptions, s.num_preemptions) == (1, 2, 3)
+
+
+def test_finishing_releases_the_row_or_leaves_the_queue():
+    s = _scheduler(60)
+    a, b = _request(0, 4), _request(1, 4)
+    s.add(a)
+    s.add(b)
+    _step(s)
+    s.preempt(b)
+    s.finish(b)  # finished while queued for recompute
+    assert _ids(s.waiting) == [] and b.row is None
+    s.finish(a)
+    assert a.row is None and s.running == [] and s.kv.free_tokens == 60 and not s.has_work
