@@ -397,3 +397,24 @@ def test_exponential_race_has_no_nan_for_all_filtered_but_one():
     logits[:, 3] = -100.0
     out = sample(logits, [SamplingParams(min_p=0.5)] * DRAWS)
     assert (out.token_ids == 17).all()
+
+
+# --- per-token generator seeds: the splitmix64 finaliser (Vigna's splitmix64.c) ---
+
+
+def _splitmix64_mix(z: int) -> int:
+    """The reference finaliser, written from the published code."""
+    mask = (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_generator_seeds_are_splitmix64_of_the_seed_and_token_index():
+    from omnirun.sampling import generator_seed
+
+    golden_gamma = 0x9E3779B97F4A7C15
+    assert _splitmix64_mix(golden_gamma) == 0xE220A8397B1DCDAF  # splitmix64's first output from state 0
+    for seed, index in [(0, 0), (1, 0), (0, 1), (42, 7), (-7, 3), (2**40 + 5, 1000)]:
+        state = (seed * golden_gamma + index + 0x632BE59BD9B4E019) & ((1 << 64) - 1)
+        assert generator_seed(seed, index) == _splitmix64_mix(state), (seed, index)
