@@ -1,7 +1,6 @@
-"""Test-wide options: `--device` picks the platform the conformance suite checks (a lane = one device).
-
-`@pytest.mark.device("cuda")` marks a test that needs real hardware of that platform; it is skipped, with the
-platform's own probe reason, wherever that device is unavailable.
+"""This repository's test setup, on top of the conformance plugin (`omnirun.conformance.plugin`, loaded through
+omnirun's `pytest11` entry point), which brings `--device` (the platform a lane checks), the `device(name)` marker
+and the `device_name`, `platform` and `tiny_checkpoints` fixtures.
 
 `@pytest.mark.triton` marks a Triton kernel test. Tests select by capability, not by lane: where the `--device`
 platform's capabilities offer triton (the gate in `omnirun.kernels`), the kernels compile and run on that device;
@@ -16,14 +15,6 @@ import os
 
 import pytest
 import torch
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--device",
-        default=os.environ.get("OMNIRUN_DEVICE", "cpu"),
-        help="platform the conformance suite runs on (default: $OMNIRUN_DEVICE or cpu)",
-    )
 
 
 @functools.cache
@@ -44,35 +35,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from omnirun.registry import default_registry
-
-    registry = default_registry()
-    triton_missing = importlib.util.find_spec("triton") is None
-    for item in items:
-        for marker in item.iter_markers(name="device"):
-            name = marker.args[0]
-            platform = registry.platforms.get(name)
-            if platform is None:
-                item.add_marker(pytest.mark.skip(reason=f"needs {name}: no such platform is registered"))
-            elif not (probe := platform.probe()).available:
-                item.add_marker(pytest.mark.skip(reason=f"needs {name}: {probe.reason}"))
-        if triton_missing and item.get_closest_marker("triton") is not None:
-            item.add_marker(pytest.mark.skip(reason="needs triton, which is not installed: pip install triton"))
-
-
-@pytest.fixture(scope="session")
-def device_name(request: pytest.FixtureRequest) -> str:
-    return request.config.getoption("--device")
-
-
-@pytest.fixture(scope="session")
-def platform(device_name: str):
-    """The lane's platform. Unavailable is a failure, not a skip: a lane run where its device is missing is broken."""
-    from omnirun.registry import get_platform
-
-    platform = get_platform(device_name)
-    platform.require_available()
-    return platform
+    if importlib.util.find_spec("triton") is None:
+        for item in items:
+            if item.get_closest_marker("triton") is not None:
+                item.add_marker(pytest.mark.skip(reason="needs triton, which is not installed: pip install triton"))
 
 
 @pytest.fixture(scope="session")

@@ -28,11 +28,11 @@ MUTATION_TESTS=(
     tests/test_linear_bias.py
     tests/test_triton_gemv.py tests/kernels/test_triton_gemv.py  # (the kernels' tests moved to tests/kernels)
     tests/test_triton_ops.py tests/kernels/test_triton_ops.py
-    "tests/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[llama-16-plain]"
-    "tests/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[qwen2-1-sharded]"
-    "tests/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[qwen3-16-plain]"
-    "tests/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[mistral-1-plain]"
-    tests/conformance/test_weight_updates.py
+    "common/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[llama-16-plain]"
+    "common/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[qwen2-1-sharded]"
+    "common/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[qwen3-16-plain]"
+    "common/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[mistral-1-plain]"
+    common/conformance/test_weight_updates.py
 )
 # Tests that start another python process (which would import the unmutated package) or only time imports.
 DESELECT=(

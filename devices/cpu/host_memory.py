@@ -21,6 +21,34 @@ def host_memory_info(proc: Path = _PROC, cgroup: Path = _CGROUP) -> tuple[int, i
     return free, total
 
 
+def resident_bytes(proc: Path = _PROC) -> int:
+    """Resident set size of this process in bytes (VmRSS)."""
+    return _read_kv(proc / "self" / "status").get("VmRSS", 0) * 1024
+
+
+class OwnUseTracker:
+    """Free host memory counted from a starting reading of the kernel's figure and this process's own use since.
+
+    The kernel's counters lag this process's allocations: in a VM here MemAvailable fell by half a GiB when a
+    1 GiB tensor was written (and rose by as little when it was freed), while the resident size moved by exactly
+    1 GiB. So the probe counts this process's own use exactly, and trusts the kernel only where it reports much
+    less free memory than that count (another process took some): it then starts counting again from there.
+    """
+
+    SLACK = 1 << 30  # how far the kernel's figure may lag before it is taken to mean another process's use
+
+    def __init__(self, free_at_start: int, resident_at_start: int):
+        self.free_at_start = free_at_start
+        self.resident_at_start = resident_at_start
+
+    def free(self, kernel_free: int, resident_now: int) -> int:
+        counted = self.free_at_start - (resident_now - self.resident_at_start)
+        if kernel_free < counted - self.SLACK:
+            self.free_at_start, self.resident_at_start = kernel_free, resident_now
+            return kernel_free
+        return counted
+
+
 def peak_rss(proc: Path = _PROC) -> int:
     """Peak resident set size of this process in bytes (VmHWM)."""
     return _read_kv(proc / "self" / "status").get("VmHWM", 0) * 1024

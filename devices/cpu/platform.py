@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from omnirun.devices.cpu.host_event import HostEvent
-from omnirun.devices.cpu.host_memory import host_memory_info, peak_rss, reset_peak_rss
+from omnirun.devices.cpu.host_memory import OwnUseTracker, host_memory_info, peak_rss, reset_peak_rss, resident_bytes
+from omnirun.host_event import HostEvent
 from omnirun.memory import PagedKVCache
 from omnirun.platform import Capabilities, Platform, ProbeResult
 
@@ -24,6 +24,7 @@ class CpuPlatform(Platform):
     auto_priority = 0  # the fallback: auto picks it only when no accelerator is available
     # Host memory is shared with the OS and every other process: claim less of it than of an accelerator's.
     default_mem_fraction_static = 0.4
+    _own_use: OwnUseTracker | None = None  # set by the first memory_info()
 
     def _probe(self) -> ProbeResult:
         return ProbeResult.ok(1)
@@ -59,9 +60,12 @@ class CpuPlatform(Platform):
         return HostEvent(enable_timing)
 
     def memory_info(self, index: int | None = None) -> tuple[int, int]:
+        free, total = host_memory_info()
+        if self._own_use is None:
+            self._own_use = OwnUseTracker(free, resident_bytes())
+        free = self._own_use.free(free, resident_bytes())
         # A KV pool's pages are committed when first written: count the pools of this process as taken from the
         # start, or a second runner would size its pool from memory the first one has already claimed.
-        free, total = host_memory_info()
         return max(free - PagedKVCache.reserved_bytes("cpu"), 0), total
 
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:

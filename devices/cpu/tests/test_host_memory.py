@@ -67,3 +67,21 @@ def test_real_machine_figures_are_sane():
     free, total = host_memory_info()
     assert 0 < free <= total
     assert peak_rss() > 0
+
+
+def test_own_use_is_counted_exactly_while_the_kernel_lags():
+    from omnirun.devices.cpu.host_memory import OwnUseTracker
+
+    tracker = OwnUseTracker(free_at_start=10 * GIB, resident_at_start=1 * GIB)
+    # this process wrote 3 GiB; the kernel's figure moved by only 1.5 GiB so far
+    assert tracker.free(kernel_free=int(8.5 * GIB), resident_now=4 * GIB) == 7 * GIB
+    # and freed 2 of them; the kernel has not caught up at all
+    assert tracker.free(kernel_free=int(8.5 * GIB), resident_now=2 * GIB) == 9 * GIB
+
+
+def test_another_processs_use_is_taken_from_the_kernel():
+    from omnirun.devices.cpu.host_memory import OwnUseTracker
+
+    tracker = OwnUseTracker(free_at_start=10 * GIB, resident_at_start=1 * GIB)
+    assert tracker.free(kernel_free=5 * GIB, resident_now=1 * GIB) == 5 * GIB  # 5 GiB went elsewhere
+    assert tracker.free(kernel_free=5 * GIB, resident_now=2 * GIB) == 4 * GIB  # counted on from there

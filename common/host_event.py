@@ -1,4 +1,5 @@
-"""An event for the host: torch has no CPU events, and CPU kernels finish before they return, so a clock suffices."""
+"""An event for host-backed platforms (the cpu platform, plugins that compute on the host): torch has no CPU events,
+and CPU kernels finish before they return, so a clock suffices."""
 
 from __future__ import annotations
 

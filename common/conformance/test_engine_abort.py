@@ -55,6 +55,7 @@ def test_abort_while_waiting_prefilling_and_decoding(platform, tiny_checkpoints,
     _assert_pool_whole(engine)
 
 
+@pytest.mark.slow
 def test_soak_with_random_aborts_under_memory_pressure(platform, tiny_checkpoints):
     """(With overlap scheduling, whose bookkeeping has more to get wrong; the 250-request soak runs both ways.)"""
     rng = random.Random(7)

@@ -1,4 +1,4 @@
-"""The platform contract every device must meet: `pytest tests/conformance --device <name>`.
+"""The platform contract every device must meet: `pytest --pyargs omnirun.conformance --device <name>`.
 
 A vendor bringing up a device (in-tree or as a plugin) runs this suite on its hardware; each CI lane runs it on
 its own device. The `platform` fixture fails, rather than skips, when the lane's device is unavailable.

@@ -45,6 +45,7 @@ def test_engine_greedy_equals_the_runner_reference(platform, tiny_checkpoints, p
     assert _run_all(engine, requests) == expected
 
 
+@pytest.mark.slow
 @overlap
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_soak_under_memory_pressure_finishes_everything_once(platform, tiny_checkpoints, page_size, overlap):

@@ -1,0 +1,1 @@
+"""An example omnirun device plugin (see platform.py)."""
