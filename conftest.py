@@ -30,7 +30,9 @@ def _compiles_triton(device_name: str) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     # Where the device cannot compile Triton, its kernels run in the interpreter. The switch must be set before
     # anything imports triton (transformers may, while tests are being collected), because triton reads it once.
-    if not _compiles_triton(config.getoption("--device")):
+    from omnirun.conformance.plugin import device_under_test
+
+    if not _compiles_triton(device_under_test(config)):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

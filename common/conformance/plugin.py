@@ -1,9 +1,9 @@
 """The conformance suite's pytest plugin, registered through the `pytest11` entry point of omnirun.
 
-It adds `--device` (the platform under test; default $OMNIRUN_DEVICE, else cpu), the fixtures the suite uses
-(`device_name`, `platform`, `tiny_checkpoints`), the `device(name)` marker — a test that needs real hardware of a
-platform is skipped with that platform's own probe reason where it is unavailable — and the `slow` marker.
-Installed with omnirun, it lets a vendor certify a device package without this repository:
+It adds `--device` (the platform under test; default $OMNIRUN_DEVICE, else what `auto` picks), the fixtures the
+suite uses (`device_name`, `platform`, `tiny_checkpoints`), the `device(name)` marker — a test that needs real
+hardware of a platform is skipped with that platform's own probe reason where it is unavailable — and the `slow`
+marker. Installed with omnirun, it lets a vendor certify a device package without this repository:
 
     pip install omnirun mydevice-plugin
     pytest --pyargs omnirun.conformance --device mydev      # or: python -m omnirun.conformance --device mydev
@@ -21,9 +21,19 @@ import pytest
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--device",
-        default=os.environ.get("OMNIRUN_DEVICE", "cpu"),
-        help="omnirun platform the conformance suite runs on (default: $OMNIRUN_DEVICE or cpu)",
+        default=None,
+        help="omnirun platform the conformance suite runs on (default: $OMNIRUN_DEVICE, else what auto picks)",
     )
+
+
+def device_under_test(config: pytest.Config) -> str:
+    """--device, else $OMNIRUN_DEVICE, else the platform `--device auto` picks (as the omnirun CLI does)."""
+    chosen = config.getoption("--device") or os.environ.get("OMNIRUN_DEVICE")
+    if chosen:
+        return chosen
+    from omnirun.registry import select_platform
+
+    return select_platform("auto").name
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -51,7 +61,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def device_name(request: pytest.FixtureRequest) -> str:
-    return request.config.getoption("--device")
+    return device_under_test(request.config)
 
 
 @pytest.fixture(scope="session")
