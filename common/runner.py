@@ -36,7 +36,15 @@ from omnirun.loader import (
     load_model_config,
     resolve_model_dtype,
 )
-from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool, plan_kv_pool, resolve_kv_cache_dtype
+from omnirun.memory import (
+    KVMemory,
+    KVPoolPlan,
+    PageAllocator,
+    PagedKVCache,
+    ReqToTokenPool,
+    plan_kv_pool,
+    resolve_kv_cache_dtype,
+)
 from omnirun.models.architecture import decoder_shape
 from omnirun.models.decoder import DecoderForCausalLM
 from omnirun.platform import Platform
@@ -163,7 +171,7 @@ class ModelRunner:
             page_size,
         )
 
-    def _plan_kv_pool(self, free: int, total: int):
+    def _plan_kv_pool(self, free: int, total: int) -> KVPoolPlan:
         shape = self.shape
         return plan_kv_pool(
             free_bytes=free,
