@@ -1,0 +1,61 @@
+"""The incremental detokenizer against a whole-output decode, one token at a time: multi-byte characters split over
+tokens, spaces, and stop strings that span tokens or start the output."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from omnirun.assets.default_model import default_model_dir
+from omnirun.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = ["Hello world, café — naïve 日本語 ok", "  two  spaces and\nnew lines\n", "🙂 emoji 🙂🙂 end"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_equals_decoding_the_whole(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add([t]) for t in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in p for p in pieces), "half a character was emitted"
+
+
+STOPS = [("Hello world, café", "ld, c", "Hello wor"), ("日本語 ok", "日", "")]
+
+
+@pytest.mark.parametrize(("text", "stop", "kept"), STOPS)
+def test_a_stop_string_is_found_across_tokens_and_at_the_start(tokenizer, text, stop, kept):
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tokenizer, stop=[stop, "never"])
+    for token in ids:
+        cut = detok.find_stop(len(detok.add([token])))
+        if cut >= 0:
+            break
+    assert detok.text[:cut] == kept
+
+
+def test_text_that_could_still_begin_a_stop_string_is_held_back(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, stop=["abcd"])
+    detok.add(tokenizer("Hello world", add_special_tokens=False).input_ids)
+    assert detok.stable_length() == len("Hello world") - 3
+
+
+def test_spaces_that_only_show_between_tokens_survive():
+    """SentencePiece-style tokenizers drop the leading space of a decode ('▁world' alone is 'world'): each step must
+    decode its new tokens together with the ones before them, or the words run together."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}
+    metaspace = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    metaspace.pre_tokenizer, metaspace.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=metaspace, unk_token="<unk>")
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(detok.add([t]) for t in (1, 2, 3)) + detok.flush() == "Hello world again"
