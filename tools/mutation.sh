@@ -7,6 +7,10 @@
 #   tools/mutation.sh                  # mutate the committed tree (HEAD), print the score, leave results in $WORK
 #   MUTATION_WORK=/tmp/x tools/mutation.sh
 #   tools/mutation.sh 'omnirun.weights*'   # only mutants whose name matches (mutmut's own filter)
+#   MUTATION_REV=<commit or tree> MUTATION_ONLY="omnirun/weights.py omnirun/engine/scheduler.py" tools/mutation.sh
+#
+# Where the installed omnirun's pytest plugin (entry point pytest11) is newer than the commit mutated and both add
+# --device, run with PYTEST_ADDOPTS="-p no:omnirun".
 #
 # The committed tree is copied to $WORK with common/ renamed to omnirun/ (and devices/ inside it): mutmut names
 # mutants by file path and imports them from mutants/, so the path has to be the import name. The checkout itself
@@ -14,6 +18,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 WORK="${MUTATION_WORK:-/tmp/omnirun-mutation}"
+REV="${MUTATION_REV:-HEAD}"  # the commit to mutate
+# Files to mutate (globs, with omnirun/ for common/); MUTATION_ONLY narrows the run to fewer of them.
+read -r -a ONLY <<< "${MUTATION_ONLY:-omnirun/sampling/* omnirun/memory/* omnirun/engine/scheduler.py omnirun/weights.py omnirun/loader/checkpoint.py omnirun/layers/*}"
 
 # Fast tests of the mutated modules (the whole set runs in about 40 s); slow end-to-end ones stay out.
 MUTATION_TESTS=(
@@ -43,7 +50,7 @@ DESELECT=(
 
 rm -rf "$WORK"
 mkdir -p "$WORK"
-git -C "$ROOT" archive HEAD | tar -x -C "$WORK"
+git -C "$ROOT" archive "$REV" | tar -x -C "$WORK"
 cd "$WORK"
 mv common omnirun
 mv devices omnirun/devices
@@ -55,11 +62,7 @@ for test in "${MUTATION_TESTS[@]}"; do if [[ -e "${test%%::*}" ]]; then selected
     echo "[mutmut]"
     echo "source_paths = omnirun/"
     echo "only_mutate ="
-    for pattern in "omnirun/sampling/*" "omnirun/memory/*" "omnirun/engine/scheduler.py" "omnirun/weights.py" \
-        "omnirun/loader/checkpoint.py" "omnirun/layers/*"; do
-        echo "    $pattern"
-    done
-    echo "also_copy = conftest.py"
+    for pattern in "${ONLY[@]}"; do echo "    $pattern"; done
     echo "pytest_add_cli_args_test_selection ="
     for test in "${selected[@]}"; do echo "    $test"; done
     echo "pytest_add_cli_args ="
@@ -72,6 +75,7 @@ for test in "${MUTATION_TESTS[@]}"; do if [[ -e "${test%%::*}" ]]; then selected
 # mutmut imports the mutants from mutants/ (put first on sys.path); it must exist before python starts, or the
 # import system remembers it as missing and the checkout's editable install is imported instead.
 mkdir -p mutants
+mv conftest.py mutants/  # pytest in mutants/ must see one root conftest, not also this one above it
 export PYTHONPATH="$WORK/mutants${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_INTERPRET=1 OMP_NUM_THREADS=1
 mutmut run --max-children "${MUTATION_JOBS:-2}" "$@" > mutmut.log 2>&1 || true  # a progress spinner: log only
