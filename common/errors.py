@@ -56,3 +56,7 @@ class EngineStepError(OmnirunError):
 
 class EngineClosedError(OmnirunError):
     """The LLM (or its engine loop) was closed, or its engine thread died."""
+
+
+class DistributedInitError(OmnirunError):
+    """Joining the process group failed: flags that do not fit together, or peers that never joined in time."""

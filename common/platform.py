@@ -206,12 +206,14 @@ class Platform:
         return DecodeGraphRunner(runner, api, max_batch_size=max_batch_size)
 
     # --- collectives ---
-    def make_communicator(self, group: Any) -> Any | None:
-        """A faster collective communicator for `group`, or None to use torch.distributed as it is.
+    def make_communicator(self, group: Any = None) -> Any:
+        """The collective communicator for `group` (None: the default group): an `omnirun.distributed.Communicator`
+        over torch.distributed on `distributed_backend`. A platform may return a faster subclass (a custom
+        all-reduce). No in-tree platform overrides it, and the runner does not call it yet (tensor parallelism is
+        to come): it runs at world size 1, where the communicator makes no collective call."""
+        from omnirun.distributed.communicator import Communicator
 
-        A hook for the tensor-parallel runner, which does not exist yet: nothing calls it today, and no in-tree
-        platform overrides it. The collectives a platform has today are `distributed_backend`'s."""
-        return None
+        return Communicator(group)
 
     # --- fused ops ---
     def fused_ops(self) -> Mapping[str, Callable[..., Any]]:

@@ -2,9 +2,53 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
+from omnirun.distributed.rendezvous import join
+from omnirun.distributed.world import WorldSpec, parse_dist_init_addr, plan_world
+from omnirun.errors import DistributedInitError
 from omnirun.platform import Platform
+
+# How long start-up waits for every rank to join when no --dist-timeout is given: long enough for a slow node to
+# import torch, short enough that a typo in an address is an error before lunch.
+DEFAULT_JOIN_TIMEOUT_S = 300.0
+
+
+def init_distributed(
+    platform: Platform,
+    spec: WorldSpec,
+    *,
+    timeout_s: float | None = None,
+    device_index: int | None = None,
+) -> dist.ProcessGroup:
+    """Bind this rank to its device, meet every other rank, then join the default group on the platform's backend.
+
+    `device_index` defaults to the local rank (one device per rank); platforms whose ranks share one device (the CPU)
+    pass the index themselves. `timeout_s` bounds the rendezvous (default DEFAULT_JOIN_TIMEOUT_S) and, when given,
+    every later collective too (as SGLang's --dist-timeout); when not, collectives keep torch's default.
+    """
+    if dist.is_initialized():
+        raise DistributedInitError(
+            "torch.distributed is already initialised in this process: call omnirun's start-up once, or "
+            "destroy_process_group() first"
+        )
+    index = spec.local_rank if device_index is None else device_index
+    count = platform.device_count()
+    if not 0 <= index < max(count, 1):
+        raise DistributedInitError(
+            f"rank {spec.rank} needs {platform.name} device {index} but this node has {count}: run at most {count} "
+            "rank(s) per node, or make the device visible"
+        )
+    # Set first: backends that pick "the current device" (nccl, hccl) then use this rank's.
+    platform.set_device(index)
+    store = join(spec, DEFAULT_JOIN_TIMEOUT_S if timeout_s is None else timeout_s)
+    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group(
+        backend=platform.distributed_backend, store=store, rank=spec.rank, world_size=spec.world_size, **kwargs
+    )
+    return dist.group.WORLD
 
 
 def init_process_group(
@@ -15,14 +59,12 @@ def init_process_group(
     local_rank: int = 0,
     init_method: str = "env://",
 ) -> None:
-    """Bind this rank to its device, then join the group on the platform's backend (nccl, hccl, xccl, gloo).
-
-    The device is set first so that backends which pick "the current device" (nccl, hccl) use the right one.
-    """
-    platform.set_device(local_rank)
-    dist.init_process_group(
-        backend=platform.distributed_backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-    )
+    """The runner's world-of-one entry (tcp://host:port or env://), through `init_distributed`."""
+    if init_method == "env://":
+        spec = plan_world(world_size)
+    elif init_method.startswith("tcp://"):
+        host, port = parse_dist_init_addr(init_method.removeprefix("tcp://"))
+        spec = WorldSpec(rank, world_size, local_rank, 1, host, port)
+    else:
+        raise DistributedInitError(f"init method {init_method!r} is not tcp://HOST:PORT or env://: use one of those")
+    init_distributed(platform, spec, device_index=local_rank)
