@@ -4,6 +4,7 @@ error within the timeout, never a hang), and the flag combinations that cannot w
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -76,6 +77,8 @@ def test_torchrun_launch_uses_its_environment():
     stdout, stderr = _finish(proc)
     assert proc.returncode == 0, stderr[-3000:]
     assert sorted((r["rank"], r["world_size"], r["sum"]) for r in _results(stdout)) == [(0, 2, 3.0), (1, 2, 3.0)]
+    # torchrun's agent already listens at MASTER_PORT: rank 0 must join it as a client, not try (and fail) to bind.
+    assert "failed to bind" not in stderr
 
 
 def test_a_peer_that_never_joins_is_one_clear_error_within_the_timeout():
@@ -142,6 +145,19 @@ def test_ranks_are_numbered_node_by_node():
     assert (spec.rank, spec.world_size, spec.local_rank, spec.nnodes, spec.init_method) == (3, 4, 1, 2, "env://")
     one = plan_world(environ={})
     assert (one.rank, one.world_size, one.host) == (0, 1, "127.0.0.1") and 0 < one.port < 2**16
+
+
+def test_a_port_already_taken_is_one_clear_error_naming_the_address():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = plan_world(2, dist_init_addr=f"127.0.0.1:{port}", environ={})
+        started = time.monotonic()
+        expected = rf"rank 0 could not listen at 127.0.0.1:{port} .*pick a free port"
+        with pytest.raises(DistributedInitError, match=expected):
+            init_distributed(get_platform("cpu"), spec, timeout_s=5, device_index=0)
+    assert time.monotonic() - started < 5 and not (dist.is_initialized() and dist.get_world_size() == 2)
 
 
 def test_a_rank_without_its_own_device_is_an_error_before_any_socket_opens():
