@@ -210,3 +210,22 @@ def test_unsupported_model_dtype_in_auto_and_unknown_names():
     all_choices = "auto, bf16, fp16, fp32, fp8_e4m3, fp8_e5m2"
     with pytest.raises(ConfigError, match=f"'int4' is unknown: choose one of {all_choices}"):
         resolve_kv_cache_dtype("int4", torch.bfloat16, caps("fn"))
+
+
+def test_the_smallest_valid_values_are_accepted():
+    # a one-token context, one-byte tokens, free == total: legal inputs (1000 B - 4 B of table = 996 tokens)
+    smallest = dict(mem_fraction_static=1.0, bytes_per_token=1, page_size=1, context_length=1, max_running_requests=1)
+    tiny = plan_kv_pool(free_bytes=1000, total_bytes=1000, **smallest)
+    assert tiny.num_tokens == 995  # one page of the budget pads
+    assert plan_kv_pool(free_bytes=1000, total_bytes=1000, max_total_tokens=1, **smallest).num_tokens == 1
+    # a one-byte device, or nothing free, are legal probe answers: the pool is too small, the input is not bad
+    for free, total in ((1, 1), (0, 1000)):
+        with pytest.raises(KVPoolTooSmallError):
+            plan_kv_pool(free_bytes=free, total_bytes=total, **smallest)
+
+
+def test_a_cap_equal_to_what_fits_is_still_a_cap():
+    fits = plan().num_tokens
+    capped = plan(max_total_tokens=fits)
+    assert capped.num_tokens == fits and f"capped by --max-total-tokens {fits}" in capped.explanation
+    assert "does not fit" in plan(max_total_tokens=fits + 16).explanation
