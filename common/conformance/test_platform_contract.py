@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from omnirun.distributed import init_process_group
+from omnirun.distributed import init_distributed, plan_world
 from omnirun.layers import native_ops
 from omnirun.layers.ops import OP_NAMES, resolve_ops
 from omnirun.platform import Capabilities
@@ -161,10 +161,10 @@ def test_peak_memory_grows_with_an_allocation_and_resets(platform):
     assert platform.peak_memory_allocated() <= with_block - 0.5 * 128 * MIB
 
 
-def test_world_size_one_all_reduce(platform, tmp_path):
+def test_world_size_one_all_reduce(platform):
     if dist.is_initialized():  # a ModelRunner built earlier in this process joined its own world-size-1 group
         dist.destroy_process_group()
-    init_process_group(platform, init_method=f"file://{tmp_path / 'store'}")
+    init_distributed(platform, plan_world(1), timeout_s=60)
     try:
         assert dist.get_backend() == platform.distributed_backend
         x = torch.arange(8, dtype=torch.float32, device=platform.device())
