@@ -147,7 +147,15 @@ def test_ranks_are_numbered_node_by_node():
     assert (one.rank, one.world_size, one.host) == (0, 1, "127.0.0.1") and 0 < one.port < 2**16
 
 
-def test_a_port_already_taken_is_one_clear_error_naming_the_address():
+@pytest.fixture
+def no_process_group():
+    """These checks run in this process: leave the world-of-one group an earlier runner joined (it stays joined
+    until exit), so that start-up reaches what is checked instead of refusing a second initialisation."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_port_already_taken_is_one_clear_error_naming_the_address(no_process_group):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -160,7 +168,7 @@ def test_a_port_already_taken_is_one_clear_error_naming_the_address():
     assert time.monotonic() - started < 5 and not (dist.is_initialized() and dist.get_world_size() == 2)
 
 
-def test_a_rank_without_its_own_device_is_an_error_before_any_socket_opens():
+def test_a_rank_without_its_own_device_is_an_error_before_any_socket_opens(no_process_group):
     # One device per rank by default: a second local rank on the one-device CPU must say so, not bind a port.
     spec = plan_world(2, local_rank=1, dist_init_addr="127.0.0.1:1", environ={})
     with pytest.raises(DistributedInitError, match=r"rank 1 needs cpu device 1 but this node has 1: run at most 1"):
