@@ -9,8 +9,10 @@
 #   tools/mutation.sh 'omnirun.weights*'   # only mutants whose name matches (mutmut's own filter)
 #   MUTATION_REV=<commit or tree> MUTATION_ONLY="omnirun/weights.py omnirun/engine/scheduler.py" tools/mutation.sh
 #
-# Where the installed omnirun's pytest plugin (entry point pytest11) is newer than the commit mutated and both add
-# --device, run with PYTEST_ADDOPTS="-p no:omnirun".
+# The installed omnirun's pytest plugin (entry point pytest11) is imported from the copy (mutants/ comes first on
+# sys.path), so a commit that has omnirun/conformance/plugin.py needs nothing more. Only for older commits, whose
+# root conftest adds --device itself, run with PYTEST_ADDOPTS="-p no:omnirun" (on HEAD that flag breaks the root
+# conftest, which reads --device from the plugin).
 #
 # The committed tree is copied to $WORK with common/ renamed to omnirun/ (and devices/ inside it): mutmut names
 # mutants by file path and imports them from mutants/, so the path has to be the import name. The checkout itself
@@ -35,11 +37,11 @@ MUTATION_TESTS=(
     tests/test_linear_bias.py
     tests/test_triton_gemv.py tests/kernels/test_triton_gemv.py  # (the kernels' tests moved to tests/kernels)
     tests/test_triton_ops.py tests/kernels/test_triton_ops.py
-    "common/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[llama-16-plain]"
-    "common/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[qwen2-1-sharded]"
-    "common/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[qwen3-16-plain]"
-    "common/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[mistral-1-plain]"
-    common/conformance/test_weight_updates.py
+    "omnirun/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[llama-16-plain]"
+    "omnirun/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[qwen2-1-sharded]"
+    "omnirun/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[qwen3-16-plain]"
+    "omnirun/conformance/test_runner_vs_hf.py::test_prefill_logits_match_hf[mistral-1-plain]"
+    omnirun/conformance/test_weight_updates.py  # (common/ is omnirun/ in the copy)
 )
 # Tests that start another python process (which would import the unmutated package) or only time imports.
 DESELECT=(
