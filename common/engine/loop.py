@@ -173,7 +173,7 @@ class EngineLoop:
             engine.add(request)
         self._publish([r for r in map(engine.abort, aborts) if r is not None])
         if calls or closing:
-            self._publish(engine.complete_in_flight())
+            self._publish(self._guarded(engine.complete_in_flight))
         for call in calls:
             try:
                 call.result = call.fn(engine)
@@ -184,14 +184,18 @@ class EngineLoop:
             self._publish([engine.abort(request_id) for request_id in list(engine.requests)])
             return False
         if engine.has_work:
-            try:
-                updated = engine.step()
-            except Exception as exc:
-                logger.exception("an engine step failed; ending the requests it held")
-                self._fail(engine.fail_all(), exc)
-                return True
-            self._publish(updated)
+            self._publish(self._guarded(engine.step))
         return True
+
+    def _guarded(self, advance: Callable[[], list[Request]]) -> list[Request]:
+        """Run a step (or the completion of one); if it raises, end the requests the engine held, tell their
+        callers, and go on with an empty engine."""
+        try:
+            return advance()
+        except Exception as exc:
+            logger.exception("an engine step failed; ending the requests it held")
+            self._fail(self.engine.fail_all(), exc)
+            return []
 
     def _publish(self, requests: list[Request]) -> None:
         for req in requests:
