@@ -4,6 +4,7 @@ error within the timeout, never a hang), and the flag combinations that cannot w
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -38,7 +39,9 @@ def _rank_main(mode: str, args: list[str]) -> None:
     comm = platform.make_communicator(None)
     total = comm.all_reduce(torch.tensor([float(spec.rank + 1)])).item()
     dist.destroy_process_group()
-    print("RESULT " + json.dumps({"rank": spec.rank, "world_size": comm.world_size, "sum": total}), flush=True)
+    # One write per line: torchrun's ranks share one stdout pipe, and print() may write the newline separately.
+    sys.stdout.write("RESULT " + json.dumps({"rank": spec.rank, "world_size": comm.world_size, "sum": total}) + "\n")
+    sys.stdout.flush()
 
 
 def _start(*argv: str, env: dict | None = None) -> subprocess.Popen:
@@ -54,7 +57,8 @@ def _finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
 
 
 def _results(stdout: str) -> list[dict]:
-    return [json.loads(line.removeprefix("RESULT ")) for line in stdout.splitlines() if line.startswith("RESULT ")]
+    # Found anywhere in the stream, not per line, so that two ranks' writes running together still parse.
+    return [json.loads(found) for found in re.findall(r"RESULT (\{[^{}]*\})", stdout)]
 
 
 def test_two_nodes_on_one_machine_join_one_world_and_all_reduce():
