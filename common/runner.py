@@ -49,7 +49,7 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.models.decoder import DecoderForCausalLM
 from omnirun.platform import Platform
 from omnirun.registry import select_platform
-from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams
+from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory
 from omnirun.weights import apply_update, check_update, load_weights, read_weight
 
 logger = logging.getLogger(__name__)
@@ -245,13 +245,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], token_index: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        token_index: Sequence[int],
+        history: TokenHistory | None = None,
     ) -> SampleOutput:
-        """Next token per request; token_index[i] counts request i's output tokens so far (seeded sampling)."""
-        if all(p.greedy and p.logprobs is None for p in params):
+        """Next token per request; token_index[i] counts request i's output tokens so far (seeded sampling,
+        min_tokens). `history` (the requests' tokens, EOS ids) is what penalties and min_tokens read."""
+        if all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params):
             # The common serving case needs no per-request tensors at all (each would be a host-to-device copy).
             return SampleOutput(token_ids=self.sampler.greedy(logits))
-        batch = SamplingBatch.build(params, token_index, logits.device, vocab_size=logits.shape[-1])
+        batch = SamplingBatch.build(params, token_index, logits.device, vocab_size=logits.shape[-1], history=history)
         return self.sampler(logits, batch)
 
     # --- weights ---

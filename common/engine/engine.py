@@ -24,7 +24,7 @@ from omnirun.engine.request import FinishReason, Request
 from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
 from omnirun.errors import ConfigError
 from omnirun.runner import ModelRunner
-from omnirun.sampling import SamplingParams
+from omnirun.sampling import SamplingParams, TokenHistory
 
 # Tokens one prefill step may compute, and the largest piece of one prompt per step, when not configured.
 DEFAULT_MAX_PREFILL_TOKENS = 8192
@@ -126,6 +126,11 @@ class Engine:
                 f"length {context}; use max_new_tokens <= {context - len(prompt_ids)}, or None to stop at the context "
                 "length"
             )
+        named = [*(params.logit_bias or ()), *params.stop_token_ids]
+        if named and max(named) >= vocab:
+            raise ConfigError(
+                f"token id {max(named)} in logit_bias or stop_token_ids is outside the vocabulary [0, {vocab})"
+            )
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need a tokenizer: use stop_token_ids, or load a model with one")
         detokenizer = None
@@ -220,6 +225,7 @@ class Engine:
             # Tokens that have not reached the host yet: take them where the sampler left them, on the device.
             ids = batch.input_ids
             batch.input_ids = torch.where(ids == PENDING_TOKEN, self._row_tokens[batch.req_pool_indices], ids)
+            batch.input_ids_pending = True
         logits = self.runner.forward(batch)
         requests = [step.requests[i] for i in step.sampling]
         if not requests:
@@ -227,7 +233,8 @@ class Engine:
         if len(requests) != logits.shape[0]:
             logits = logits[step.sampling]
         params = [r.params for r in requests]
-        out = self.runner.sample(logits, params, [len(r.output_ids) + r.num_pending for r in requests])
+        history = self._token_history(requests, step) if any(p.adjusts_logits for p in params) else None
+        out = self.runner.sample(logits, params, [len(r.output_ids) + r.num_pending for r in requests], history)
         for req in requests:
             req.num_pending += 1
         if self.overlap:
@@ -240,6 +247,18 @@ class Engine:
         done = self.runner.platform.event()
         done.record()
         return _Launched(step, requests, *to_host, done=done)
+
+    def _token_history(self, requests: list[Request], step: ScheduledStep) -> TokenHistory:
+        """What penalties and min_tokens read: each request's tokens, its newest one where only the device has it."""
+        pending = None
+        if self.overlap and any(r.num_pending for r in requests):
+            rows = step.batch.req_pool_indices
+            if len(requests) != step.batch.batch_size:
+                rows = rows[step.sampling]
+            on_device = torch.tensor([r.num_pending > 0 for r in requests], device=self.runner.device)
+            pending = torch.where(on_device, self._row_tokens[rows], -1)
+        prompts, outputs = [r.prompt_ids for r in requests], [r.output_ids for r in requests]
+        return TokenHistory(prompts, outputs, pending, sorted(self.eos_token_ids))
 
     def _complete(self, launched: _Launched | None) -> list[Request]:
         """Wait for a launched step's tokens, append them and apply the stop rules."""
@@ -285,7 +304,8 @@ class Engine:
         params = req.params
         if req.detokenizer is not None:
             new_text = req.detokenizer.add([token])
-            cut = req.detokenizer.find_stop(len(new_text))
+            # (stop strings, like EOS, do not end a request before min_tokens)
+            cut = req.detokenizer.find_stop(len(new_text)) if len(req.output_ids) >= params.min_tokens else -1
             if cut >= 0:
                 self._finish(req, FinishReason.STOP)
                 req.detokenizer.text = req.detokenizer.text[:cut]  # the text ends before the stop string (as in vLLM)

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from omnirun.sampling.adjust import LogitAdjustments, TokenHistory
 from omnirun.sampling.params import SamplingParams
 from omnirun.sampling.sampler import SampleOutput, Sampler, SamplingBatch, generator_seed
 
-__all__ = ["SampleOutput", "Sampler", "SamplingBatch", "SamplingParams", "generator_seed"]
+__all__ = [
+    "LogitAdjustments",
+    "SampleOutput",
+    "Sampler",
+    "SamplingBatch",
+    "SamplingParams",
+    "TokenHistory",
+    "generator_seed",
+]

@@ -30,6 +30,10 @@ class SamplingParams:
     temperature=0 for greedy (the `omnirun generate` CLI is greedy unless --temperature is given).
     temperature 0 (or top_k 1) means greedy. top_k -1 or 0 turns top-k off, top_p 1 turns nucleus sampling off,
     min_p 0 turns min-p off. logprobs: None for none, 0 for the chosen token's logprob, n for also the top n.
+    presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) subtract once / once per occurrence for every
+    token already in the output; repetition_penalty (HF's and vLLM's, > 0, 1 off) divides the positive logits and
+    multiplies the negative ones of every token in the prompt or the output; logit_bias adds to the logits of the
+    token ids it names; min_tokens keeps EOS and stop_token_ids from being sampled before that many new tokens.
     max_new_tokens None: generate until a stop rule or the context length (an explicit number that does not fit
     in the context with the prompt is an error). stop / stop_token_ids / ignore_eos are stored for the engine;
     `stop` is normalised to a list.
@@ -45,6 +49,11 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
@@ -63,6 +72,16 @@ class SamplingParams:
             raise _bad("logprobs", self.logprobs, "an int >= 0 (0: chosen token only), or None for no logprobs")
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "True or False")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise _bad(name, value, "a number in [-2, 2] (0 turns it off)")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise _bad("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 turns it off)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad("min_tokens", self.min_tokens, "an int >= 0")
+        if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"at most max_new_tokens ({self.max_new_tokens})")
 
         # Plain Python numbers from here on, so numpy scalars and ints-for-floats behave alike downstream.
         self.max_new_tokens = None if self.max_new_tokens is None else int(self.max_new_tokens)
@@ -74,6 +93,11 @@ class SamplingParams:
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
+        self.min_tokens = int(self.min_tokens)
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
 
     @staticmethod
     def _normalise_stop(stop: list[str] | str | None) -> list[str]:
@@ -91,6 +115,28 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
             raise _bad("stop_token_ids", ids, "a list of token ids (ints >= 0)")
         return [int(i) for i in ids]
+
+    @staticmethod
+    def _normalise_logit_bias(bias: dict[int, float] | None) -> dict[int, float] | None:
+        if bias is None or (isinstance(bias, dict) and not bias):
+            return None
+        valid = "a dict of token id (int >= 0) -> bias (a number in [-100, 100])"
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", bias, valid)
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0 or not _is_real(value) or not -100 <= value <= 100:
+                raise _bad("logit_bias", {token: value}, valid)
+        return {int(t): float(v) for t, v in bias.items()}
+
+    @property
+    def penalized(self) -> bool:
+        """True when the output (or prompt) so far changes the logits: presence, frequency or repetition penalty."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the logits are changed before sampling: a penalty, a logit bias or min_tokens."""
+        return self.penalized or self.logit_bias is not None or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

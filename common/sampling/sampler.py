@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from omnirun.errors import SamplingParamsError
+from omnirun.sampling.adjust import LogitAdjustments, TokenHistory
 from omnirun.sampling.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -53,6 +54,7 @@ class SamplingBatch:
     any_top_k: bool
     any_min_p: bool
     max_logprobs: int  # largest top-n requested (0: chosen token only), -1 when nobody wants logprobs
+    adjustments: LogitAdjustments | None = None  # penalties, logit bias, min_tokens (None: no request uses any)
 
     @property
     def size(self) -> int:
@@ -65,12 +67,14 @@ class SamplingBatch:
         token_index: Sequence[int],
         device: torch.device | str,
         vocab_size: int | None = None,
+        history: TokenHistory | None = None,
     ) -> SamplingBatch:
         """Collect `params` into tensors on `device`.
 
         token_index[i] is the index of the output token request i is sampling now (0 for its first new token);
         it makes seeded sampling reproducible. vocab_size, when given, is stored for rows with top-k off
-        (otherwise the int64 maximum; the sampler clamps to the logits' vocabulary either way).
+        (otherwise the int64 maximum; the sampler clamps to the logits' vocabulary either way). history (each
+        request's prompt and output ids, EOS ids) is what penalties and min_tokens need; they need vocab_size too.
         """
         if len(token_index) != len(params):
             raise SamplingParamsError(
@@ -87,6 +91,11 @@ class SamplingBatch:
             for row, (p, idx, g) in enumerate(zip(params, token_index, greedy, strict=True))
             if p.seed is not None and not g
         }
+        adjustments = None
+        if any(p.adjusts_logits for p in params):
+            if vocab_size is None:
+                raise SamplingParamsError("penalties, logit_bias and min_tokens need SamplingBatch.build(vocab_size=)")
+            adjustments = LogitAdjustments.build(params, token_index, history, vocab_size, device)
         return cls(
             temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
@@ -99,6 +108,7 @@ class SamplingBatch:
             any_top_k=any(p.top_k > 0 for p in sampled),
             any_min_p=any(p.min_p > 0 for p in sampled),
             max_logprobs=max_logprobs,
+            adjustments=adjustments,
         )
 
 
@@ -137,9 +147,11 @@ class Sampler:
         return indices.gather(1, values.max(dim=-1).indices[:, None]).squeeze(1)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        token_ids = self.greedy(logits)
+        """Tokens from the logits after the batch's adjustments; logprobs stay those of the raw logits."""
+        adjusted = logits if batch.adjustments is None else batch.adjustments.apply(logits)
+        token_ids = self.greedy(adjusted)
         if not batch.all_greedy:
-            probs = self._filtered_probs(logits, batch)
+            probs = self._filtered_probs(adjusted, batch)
             sampled = (probs / self._exponentials(probs, batch)).argmax(dim=-1)
             token_ids = torch.where(batch.greedy, token_ids, sampled)
         return self._with_logprobs(logits, token_ids, batch.max_logprobs)
