@@ -95,5 +95,11 @@ def test_script_reproduces_the_shipped_files(tmp_path):
     # Another hash seed than the shipping run, so dict/set ordering cannot hide behind luck.
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], check=True, capture_output=True, env=env)
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "model.safetensors"):
         assert (out / name).read_bytes() == (DEFAULT_MODEL_DIR / name).read_bytes(), name
+
+
+def test_chat_template_renders_turns_and_the_generation_prompt(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<s>system\nBe brief.</s>\n<s>user\nHello</s>\n<s>assistant\n"

@@ -57,6 +57,14 @@ something newer. Numbers such as 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32, 64, 128, 
 """
 
 
+# A small ChatML-like chat template (what `omnirun serve` applies to /v1/chat/completions messages): each turn is
+# <s>role, a newline, the content and </s> (EOS, so a reply ends at the end of its turn).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Train the byte-level BPE tokenizer on CORPUS and wrap it for transformers."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -79,6 +87,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=1024,
         # Cleaning up spaces before punctuation would break the exact round trip.
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -113,7 +122,8 @@ def write_readme(out: Path, tokenizer: PreTrainedTokenizerFast) -> None:
         f"vocabulary {len(tokenizer)}, "
         "tied embeddings, bfloat16 weights.\n"
         "- The weights are random (`torch.manual_seed(0)`): the text it generates is nonsense. That is expected.\n"
-        "- The tokenizer is a byte-level BPE trained on a few paragraphs written for this project.\n\n"
+        "- The tokenizer is a byte-level BPE trained on a few paragraphs written for this project.\n"
+        "- `chat_template.jinja` is a small ChatML-like chat template (`<s>role\\ncontent</s>` per turn).\n\n"
         "Made by `python tools/make_default_model.py` (deterministic: running it again gives the same files).\n"
     )
 
