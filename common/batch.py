@@ -36,6 +36,11 @@ class ForwardBatch:
     extend_seq_lens_cpu: torch.Tensor  # [batch] int32, host: new tokens per request (all 1 in DECODE)
     # Logits for every new token (prompt logprobs, tests) rather than only each request's last one.
     return_full_logits: bool = False
+    # Some input_ids were filled on the device from tokens not yet seen by the host (overlap scheduling): the other
+    # ranks of a tensor-parallel group receive them by broadcast, not in the step's host message.
+    input_ids_pending: bool = False
+    # What the batch was built from, on the host: the step's message to the other ranks of a tensor-parallel group.
+    host: HostBatch | None = None
 
     @property
     def batch_size(self) -> int:
@@ -59,6 +64,38 @@ class ForwardBatch:
             empty_int,
             empty_int,
             empty_int,
+        )
+
+
+@dataclasses.dataclass
+class HostBatch:
+    """A ForwardBatch as host tensors: cheap to pickle, rebuilt on a device with one copy (`to_device`)."""
+
+    mode: ForwardMode
+    ints: torch.Tensor  # int64: input_ids, positions, out_cache_loc (num_tokens each), then rows and seq_lens
+    extend_prefix_lens_cpu: torch.Tensor
+    extend_seq_lens_cpu: torch.Tensor
+    return_full_logits: bool = False
+    input_ids_pending: bool = False
+
+    def to_device(self, device: torch.device) -> ForwardBatch:
+        n = self.extend_seq_lens_cpu.numel()
+        tokens = (self.ints.numel() - 2 * n) // 3
+        device_ints = self.ints.to(device, non_blocking=True)
+        input_ids, positions, out_loc, rows, seq_lens = device_ints.split([tokens, tokens, tokens, n, n])
+        return ForwardBatch(
+            mode=self.mode,
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=rows,
+            seq_lens=seq_lens.int(),
+            out_cache_loc=out_loc,
+            seq_lens_cpu=self.ints[3 * tokens + n :].int(),
+            extend_prefix_lens_cpu=self.extend_prefix_lens_cpu,
+            extend_seq_lens_cpu=self.extend_seq_lens_cpu,
+            return_full_logits=self.return_full_logits,
+            input_ids_pending=self.input_ids_pending,
+            host=self,
         )
 
 
@@ -87,21 +124,13 @@ def build_batch(
     flat_ids = torch.tensor([token for ids in new_token_ids for token in ids], dtype=torch.int64)
     rows_t = torch.tensor(rows, dtype=torch.int64)
     seq_lens_cpu = torch.tensor(ends, dtype=torch.int32)
-    # One host-to-device copy for every per-token and per-request tensor of the step, then views of it.
-    host = torch.cat([flat_ids, positions, out_cache_loc, rows_t, seq_lens_cpu.long()])
-    device_ints = host.to(device, non_blocking=True)
-    tokens, n = flat_ids.numel(), len(rows)
-    input_ids, positions_d, out_loc, rows_d, seq_lens_d = device_ints.split([tokens, tokens, tokens, n, n])
     mode = ForwardMode.DECODE if max(extend_lens) == 1 and not return_full_logits else ForwardMode.EXTEND
-    return ForwardBatch(
+    # One host-to-device copy for every per-token and per-request tensor of the step, then views of it.
+    host = HostBatch(
         mode=mode,
-        input_ids=input_ids,
-        positions=positions_d,
-        req_pool_indices=rows_d,
-        seq_lens=seq_lens_d.int(),
-        out_cache_loc=out_loc,
-        seq_lens_cpu=seq_lens_cpu,
+        ints=torch.cat([flat_ids, positions, out_cache_loc, rows_t, seq_lens_cpu.long()]),
         extend_prefix_lens_cpu=torch.tensor(prefix_lens, dtype=torch.int32),
         extend_seq_lens_cpu=torch.tensor(extend_lens, dtype=torch.int32),
         return_full_logits=return_full_logits,
     )
+    return host.to_device(device)

@@ -22,7 +22,11 @@ _VALUE_FLAGS: list[tuple[str, type, str]] = [
     ("--max-prefill-tokens", int, "tokens one prefill step computes at most"),
     ("--chunked-prefill-size", int, "largest piece of one prompt per prefill step"),
     ("--seed", int, "seed of dummy weights and of unseeded sampling"),
-    ("--tp-size", int, "tensor-parallel size (1 only, for now)"),
+    ("--tp-size", int, "tensor-parallel size: ranks (devices) the model is split over"),
+    ("--nnodes", int, "nodes the ranks are spread over (default 1)"),
+    ("--node-rank", int, "this node's index, 0..nnodes-1"),
+    ("--dist-init-addr", str, "node 0's rendezvous address HOST:PORT (several nodes)"),
+    ("--dist-timeout", float, "seconds to wait for every rank to join, and for each collective"),
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from omnirun.errors import ConfigError
 
@@ -35,6 +36,12 @@ class RunnerConfig:
     disable_graph: bool = False
     seed: int = 0
     tp_size: int = 1
+    # Several nodes (SGLang's flags): how many, which one this is, and node 0's rendezvous address HOST:PORT.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    # Seconds to wait for every rank to join, and for any collective later (None: 300 s to join, torch's default).
+    dist_timeout: float | None = None
     # Which device of the platform this process uses (the local rank).
     device_index: int = 0
     # Show tqdm progress bars for loading and capture.
@@ -56,5 +63,15 @@ class RunnerConfig:
         ):
             if value is not None and value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
-        if self.tp_size != 1:
-            raise ConfigError(f"--tp-size {self.tp_size} is not supported yet: use --tp-size 1")
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.dist_timeout is not None and not self.dist_timeout > 0:
+            raise ConfigError(f"--dist-timeout must be > 0 seconds, got {self.dist_timeout}")
+
+    @property
+    def distributed(self) -> bool:
+        """Whether this process is one rank of several (tensor parallel, several nodes, or under torchrun)."""
+        from omnirun.distributed.world import TORCHRUN_VARS
+
+        launched = any(name in os.environ for name in TORCHRUN_VARS) and os.environ.get("WORLD_SIZE", "1") != "1"
+        return self.tp_size > 1 or self.nnodes > 1 or launched

@@ -60,3 +60,7 @@ class EngineClosedError(OmnirunError):
 
 class DistributedInitError(OmnirunError):
     """Joining the process group failed: flags that do not fit together, or peers that never joined in time."""
+
+
+class WorkerError(OmnirunError):
+    """A tensor-parallel rank failed or died; the whole group is unusable and has been shut down."""

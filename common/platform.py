@@ -206,11 +206,15 @@ class Platform:
         return DecodeGraphRunner(runner, api, max_batch_size=max_batch_size)
 
     # --- collectives ---
+    def bind_rank(self, local_rank: int, ranks_per_node: int) -> int:
+        """The device index of the rank `local_rank` of `ranks_per_node` on this node: one device per rank by
+        default. Platforms whose ranks share one device (the CPU) return 0 and divide it among them."""
+        return local_rank
+
     def make_communicator(self, group: Any = None) -> Any:
         """The collective communicator for `group` (None: the default group): an `omnirun.distributed.Communicator`
         over torch.distributed on `distributed_backend`. A platform may return a faster subclass (a custom
-        all-reduce). No in-tree platform overrides it, and the runner does not call it yet (tensor parallelism is
-        to come): it runs at world size 1, where the communicator makes no collective call."""
+        all-reduce). The runner builds one for its tensor-parallel group; no in-tree platform overrides it yet."""
         from omnirun.distributed.communicator import Communicator
 
         return Communicator(group)

@@ -11,6 +11,7 @@ from omnirun.engine import LLM
 from omnirun.errors import (
     ConfigError,
     DeviceUnavailableError,
+    DistributedInitError,
     KVPoolTooSmallError,
     ModelLoadError,
     OmnirunError,
@@ -60,7 +61,11 @@ LLM_CASES = [
     (dict(decode_attention_backend="flash"), ConfigError, "--decode-attention-backend 'flash' is not offered"),
     (dict(max_prefill_tokens=0), ConfigError, "--max-prefill-tokens must be >= 1, got 0"),
     (dict(chunked_prefill_size=-4), ConfigError, "--chunked-prefill-size must be >= 1, got -4"),
-    (dict(tp_size=2), ConfigError, "--tp-size 2"),
+    (dict(tp_size=0), ConfigError, "--tp-size must be >= 1, got 0"),
+    (dict(tp_size=3), ConfigError, "--tp-size 3 does not divide the model's 4 attention heads: use one of 1, 2, 4"),
+    (dict(tp_size=2, nnodes=2), DistributedInitError, "--nnodes 2 needs --dist-init-addr HOST:PORT"),
+    (dict(tp_size=2, dist_init_addr="node0"), DistributedInitError, "--dist-init-addr 'node0' is not HOST:PORT"),
+    (dict(dist_timeout=0), ConfigError, "--dist-timeout must be > 0 seconds, got 0"),
     (dict(max_num_seqs=3), ConfigError, "unknown LLM argument(s) max_num_seqs"),
     (dict(device="bogus"), UnknownDeviceError, "unknown device 'bogus'"),
     (dict(device="npu"), DeviceUnavailableError, "device 'npu' is unavailable: torch-npu is not installed"),
@@ -68,7 +73,9 @@ LLM_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "error", "text"), LLM_CASES, ids=[next(iter(c[0])) for c in LLM_CASES])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"), LLM_CASES, ids=["-".join(f"{k}={v}" for k, v in c[0].items()) for c in LLM_CASES]
+)
 def test_bad_llm_arguments_fail_before_the_model_loads(no_model_load, kwargs, error, text):
     kwargs = {"device": "cpu", **kwargs}
     with pytest.raises(error) as caught:

@@ -8,6 +8,8 @@ torch's, and the process group is built on it afterwards.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -18,8 +20,9 @@ from omnirun.errors import DistributedInitError
 _KEY = "omnirun/joined/{}"
 
 
-def join(spec: WorldSpec, timeout_s: float) -> dist.Store:
-    """Connect to the rendezvous and wait until every rank of `spec.world_size` has signed in, at most `timeout_s`."""
+def join(spec: WorldSpec, timeout_s: float, peers_alive: Callable[[], None] | None = None) -> dist.Store:
+    """Connect to the rendezvous and wait until every rank of `spec.world_size` has signed in, at most `timeout_s`;
+    `peers_alive()`, called about every second meanwhile, raises to stop waiting for peers that died."""
     store = _open_store(spec, timeout_s)
     if store.add(_KEY.format(spec.rank), 1) > 1:
         raise DistributedInitError(
@@ -28,7 +31,7 @@ def join(spec: WorldSpec, timeout_s: float) -> dist.Store:
         )
     keys = [_KEY.format(r) for r in range(spec.world_size)]
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
+        _wait(store, keys, timeout_s, peers_alive)
     except dist.DistError:
         missing = [r for r, key in enumerate(keys) if not _present(store, key)]
         if not missing:  # everyone arrived just as the deadline passed
@@ -40,6 +43,19 @@ def join(spec: WorldSpec, timeout_s: float) -> dist.Store:
             "--node-rank), or raise --dist-timeout"
         ) from None
     return store
+
+
+def _wait(store: dist.Store, keys: list[str], timeout_s: float, peers_alive: Callable[[], None] | None) -> None:
+    if peers_alive is None:
+        store.wait(keys, timedelta(seconds=timeout_s))
+        return
+    # Poll (store.wait cannot be interrupted to look at the peers, and warns each time a short wait runs out).
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            raise dist.DistError(f"not every rank joined within {timeout_s:g} s")
+        peers_alive()
+        time.sleep(0.05)
 
 
 def _open_store(spec: WorldSpec, timeout_s: float) -> dist.Store:

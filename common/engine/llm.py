@@ -23,6 +23,7 @@ from omnirun.engine.loop import Channel, EngineLoop, StreamDelta
 from omnirun.engine.request import RequestOutput
 from omnirun.engine.tokenizer import load_tokenizer, tokenizer_dir
 from omnirun.errors import ConfigError, EngineClosedError
+from omnirun.launch import start_runner
 from omnirun.runner import ModelRunner
 from omnirun.sampling import SamplingParams
 
@@ -63,7 +64,9 @@ class LLM:
         config = RunnerConfig(model=str(model), **runner_flags)  # checks the flags before anything loads
         source = tokenizer_dir(tokenizer, config.model)
         self.tokenizer = load_tokenizer(source) if source is not None else None
-        self.runner = ModelRunner(config)
+        # One device, or rank 0 of a tensor-parallel group (under torchrun, other ranks serve inside this call and
+        # then exit the process: only rank 0 gets past it).
+        self.runner = start_runner(config)
         try:
             self.engine = Engine(
                 self.runner,
@@ -186,6 +189,38 @@ class LLM:
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
         self._check_open()
         return self._loop.call(lambda engine: engine.runner.get_weights_by_name(name, truncate_size))
+
+    # --- weights from a trainer (RLHF), as SGLang's API: every rank joins a group with the trainer's processes ---
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str | None = None,
+    ) -> None:
+        """Join a process group with a trainer: this LLM's rank r becomes rank `rank_offset + r` of `world_size`
+        (the trainer's rank 0 broadcasts). `backend` None: the device's collective backend."""
+        self._check_open()
+        args = (master_address, master_port, rank_offset, world_size, group_name, backend)
+        self._loop.call(lambda engine: engine.runner.init_weights_update_group(*args))
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype | str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+    ) -> None:
+        """Receive new weights that the trainer broadcasts, one tensor per name, in order; all are checked first."""
+        self._check_open()
+        args = (list(names), list(dtypes), [list(s) for s in shapes], group_name)
+        self._loop.call(lambda engine: _updated(engine, engine.runner.update_weights_from_distributed, *args))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._check_open()
+        self._loop.call(lambda engine: engine.runner.destroy_weights_update_group(group_name))
 
 
 class RequestStream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform as _host
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ class CpuPlatform(Platform):
     # Host memory is shared with the OS and every other process: claim less of it than of an accelerator's.
     default_mem_fraction_static = 0.4
     _own_use: OwnUseTracker | None = None  # set by the first memory_info()
+    _ranks_per_node = 1  # processes sharing this host as tensor-parallel ranks (bind_rank)
 
     def _probe(self) -> ProbeResult:
         return ProbeResult.ok(1)
@@ -59,7 +61,18 @@ class CpuPlatform(Platform):
     def event(self, enable_timing: bool = False) -> HostEvent:
         return HostEvent(enable_timing)
 
+    def bind_rank(self, local_rank: int, ranks_per_node: int) -> int:
+        """Every rank of a node shares the host: each takes its share of the cores and of the memory budget."""
+        self._ranks_per_node = max(1, ranks_per_node)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self._ranks_per_node))
+        return 0
+
     def memory_info(self, index: int | None = None) -> tuple[int, int]:
+        free, total = self._host_memory_info()
+        # Ranks of one node each size a pool from the same host memory: give each an equal share.
+        return free // self._ranks_per_node, total // self._ranks_per_node
+
+    def _host_memory_info(self) -> tuple[int, int]:
         free, total = host_memory_info()
         if self._own_use is None:
             self._own_use = OwnUseTracker(free, resident_bytes())

@@ -1,0 +1,82 @@
+"""How a decoder splits over a tensor-parallel group: heads, MLP columns and vocabulary rows per rank.
+
+Megatron's split: each rank holds whole attention heads (a contiguous block of q heads and the kv heads they read)
+and a contiguous block of the MLP's intermediate columns; the vocabulary is split into equal blocks of rows. Sizes
+that do not divide are handled thus, and said so in the errors:
+- q heads, and the MLP's intermediate size, must divide by the tp size: an error names the sizes that work.
+- kv heads fewer than ranks are replicated: each kv head lives on tp_size / num_kv_heads ranks (which must divide).
+- the vocabulary is padded up to a multiple of the tp size; padded rows are zeros and their logits are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from omnirun.errors import ConfigError
+from omnirun.models.architecture import DecoderShape
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """This rank's share of one model."""
+
+    tp_rank: int
+    tp_size: int
+    num_heads: int  # q heads on this rank
+    head_start: int  # the model's index of this rank's first q head
+    num_kv_heads: int  # kv heads on this rank (1 when replicated)
+    kv_head_start: int  # the model's index of this rank's first kv head
+    intermediate_size: int  # MLP columns on this rank
+    vocab_per_rank: int  # rows of the embedding / LM head on each rank (padding included)
+    vocab_size: int  # the model's real vocabulary
+
+    @property
+    def vocab_start(self) -> int:
+        return self.tp_rank * self.vocab_per_rank
+
+    @property
+    def vocab_rows_real(self) -> int:
+        """Rows of this rank's vocabulary block that are real tokens (the rest is padding)."""
+        return max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def tp_layout(shape: DecoderShape, tp_size: int, tp_rank: int) -> TPLayout:
+    """The split of `shape` for rank `tp_rank` of `tp_size`; a ConfigError naming the fix when it cannot split."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tensor-parallel rank {tp_rank} of {tp_size} is out of range")
+    heads, kv_heads = shape.num_heads, shape.num_kv_heads
+    if heads % tp_size:
+        raise ConfigError(
+            f"--tp-size {tp_size} does not divide the model's {heads} attention heads: use one of {_divisors(heads)}"
+        )
+    if kv_heads >= tp_size and kv_heads % tp_size:
+        raise ConfigError(
+            f"--tp-size {tp_size} does not divide the model's {kv_heads} kv heads: use one of {_divisors(kv_heads)}, "
+            f"or a multiple of {kv_heads} (kv heads are then replicated)"
+        )
+    if kv_heads < tp_size and tp_size % kv_heads:
+        raise ConfigError(
+            f"--tp-size {tp_size} is not a multiple of the model's {kv_heads} kv heads, so they cannot be replicated "
+            f"evenly: use one of {_divisors(kv_heads)} or a multiple of {kv_heads}"
+        )
+    if shape.intermediate_size % tp_size:
+        raise ConfigError(
+            f"--tp-size {tp_size} does not divide the model's intermediate size {shape.intermediate_size}: use one "
+            f"of {_divisors(shape.intermediate_size)}"
+        )
+    heads_per_rank = heads // tp_size
+    return TPLayout(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        num_heads=heads_per_rank,
+        head_start=tp_rank * heads_per_rank,
+        num_kv_heads=max(1, kv_heads // tp_size),
+        kv_head_start=tp_rank * kv_heads // tp_size,
+        intermediate_size=shape.intermediate_size // tp_size,
+        vocab_per_rank=-(-shape.vocab_size // tp_size),
+        vocab_size=shape.vocab_size,
+    )
