@@ -94,3 +94,18 @@ def test_a_chunk_that_starts_inside_a_page_fits_in_one_free_page():
     step = _step(s)  # tokens 6-9: 2 in page 2, 2 in page 3 - one new page, which is what is free
     assert step.batch.mode is ForwardMode.EXTEND and step.batch.num_tokens == 4
     assert s.num_preemptions == 0 and req.num_cached == 10
+
+
+def test_headroom_is_one_decode_token_per_decoding_request_not_per_midway_prompt():
+    s = _scheduler(14, 1, chunk=6)
+    a = Request(0, list(range(1, 11)), SamplingParams(max_new_tokens=4))
+    s.add(a)
+    assert _step(s).batch.num_tokens == 6  # A alone, first chunk: 8 free
+    b = Request(1, [1, 2], SamplingParams(max_new_tokens=4))
+    s.add(b)
+    # A's last 4 tokens, B's 2, and a decode token each afterwards: 8 = what is free (A is mid-way, not decoding,
+    # so it needs no headroom of its own beyond the one it gets as a request of this step)
+    step = _step(s)
+    assert [r.request_id for r in step.requests] == [0, 1] and step.batch.num_tokens == 6
+    step = _step(s)
+    assert step.batch.mode is ForwardMode.DECODE and len(step.requests) == 2 and s.num_preemptions == 0

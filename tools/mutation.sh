@@ -27,6 +27,7 @@ read -r -a ONLY <<< "${MUTATION_ONLY:-omnirun/sampling/* omnirun/memory/* omniru
 # Fast tests of the mutated modules (the whole set runs in about 40 s); slow end-to-end ones stay out.
 MUTATION_TESTS=(
     tests/test_sampling.py
+    tests/test_sampling_adjust.py  # (penalties, logit bias, min_tokens: common/sampling/adjust.py)
     tests/test_kv_memory.py
     tests/test_kv_sizing.py
     tests/test_page_allocator.py
