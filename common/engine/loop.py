@@ -38,6 +38,8 @@ class StreamDelta:
     token_ids: list[int]  # the new token(s)
     text: str | None  # the new text (None without a tokenizer); may lag a token behind (partial UTF-8, stop strings)
     finish_reason: str | None
+    logprobs: list[float] | None = None  # of each new token, when SamplingParams.logprobs is set
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob) of the top-n, when n > 0
 
 
 @dataclasses.dataclass
@@ -57,8 +59,13 @@ class _Subscriber:
             self.sent_text = max(self.sent_text, ready)
         if not tokens and not req.finished:
             return None
+        logprobs = top = None
+        if req.params.logprobs is not None:
+            logprobs = req.logprobs[self.sent_tokens :]
+            top = req.top_logprobs[self.sent_tokens :] if req.params.logprobs else None
         self.sent_tokens = len(req.output_ids)
-        return StreamDelta(req.request_id, tokens, text, req.finish_reason.value if req.finished else None)
+        reason = req.finish_reason.value if req.finished else None
+        return StreamDelta(req.request_id, tokens, text, reason, logprobs, top)
 
 
 @dataclasses.dataclass
@@ -136,6 +143,10 @@ class EngineLoop:
     @property
     def closed(self) -> bool:
         return self._closing
+
+    def check_alive(self) -> None:
+        """Raise EngineClosedError if the engine thread has stopped (what a waiting caller checks now and then)."""
+        self._check_alive()
 
     def _check_open(self) -> None:
         if self._closing:
