@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=int, default=None, help="default: the batch size")
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     bench.set_defaults(func=_cmd_bench)
+
+    from omnirun.bench_serve import add_bench_serve_parser
+    from omnirun.server.cli import add_serve_parser
+
+    add_bench_serve_parser(bench)
+    add_serve_parser(commands)
     return parser
 
 

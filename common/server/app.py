@@ -1,0 +1,92 @@
+"""The FastAPI application of `omnirun serve`: OpenAI's routes over one LLM.
+
+/v1/completions, /v1/chat/completions and /v1/models (behind the API key when one is set), /health, /metrics.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from omnirun.engine import LLM
+from omnirun.server.async_engine import AsyncEngine
+from omnirun.server.chat import create_chat_completion
+from omnirun.server.completions import create_completion
+from omnirun.server.errors import OpenAIError, install_error_handlers
+from omnirun.server.metrics import CONTENT_TYPE, ServerMetrics
+from omnirun.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    now,
+)
+from omnirun.server.state import ServerState
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _check_key(
+    state: Annotated[ServerState, Depends(_state)],
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    if state.api_key is None:
+        return
+    given = credentials.credentials if credentials is not None else ""
+    if not secrets.compare_digest(given.encode(), state.api_key.encode()):
+        what = "a wrong API key" if credentials is not None else "no API key"
+        raise OpenAIError(401, f"{what}: send 'Authorization: Bearer <the server's --api-key>'", code="invalid_api_key")
+
+
+def create_app(
+    llm: LLM,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_queued_requests: int | None = None,
+) -> FastAPI:
+    """The server's app over an open LLM (which stays the caller's to close)."""
+    engine = AsyncEngine(llm, max_queued_requests=max_queued_requests)
+    state = ServerState(engine, served_model_name or llm.runner.config.model, api_key)
+    metrics = ServerMetrics(engine)
+    app = FastAPI(title="omnirun", description="OpenAI-compatible server over the omnirun engine")
+    app.state.server = state
+    install_error_handlers(app)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_key)])
+
+    @v1.post("/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, raw: Request):
+        return await create_completion(body, raw, state)
+
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(body, raw, state)
+
+    @v1.get("/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(id=state.served_model_name, created=now(), max_model_len=llm.runner.context_length)
+        return ModelList(data=[card])
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        llm._loop.check_alive()  # a dead engine thread: EngineClosedError, a 500
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

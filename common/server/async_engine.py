@@ -1,0 +1,145 @@
+"""The asyncio front of the engine: requests go to the LLM's EngineLoop, their deltas come back as async streams.
+
+No second loop: the EngineLoop's thread steps the engine as it does for `LLM.generate`; an AsyncChannel is a
+channel it can put on (like the thread-safe queue LLM callers wait on) that hands each item to the asyncio event
+loop with `call_soon_threadsafe`. The requests of one HTTP call (its prompts x n choices) share one channel and
+form a RequestGroup; leaving the group early (a client that went away, an error) aborts the unfinished ones,
+whose pages the engine frees at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from omnirun.engine import LLM, Request, StreamDelta
+from omnirun.errors import OmnirunError
+from omnirun.sampling import SamplingParams
+
+# How often a waiting request checks that the engine thread is still alive.
+_LIVENESS_CHECK_S = 0.5
+
+
+class QueueFullError(OmnirunError):
+    """More requests wait for their first token than --max-queued-requests allows."""
+
+
+class AsyncChannel:
+    """A channel the engine thread puts `(request_id, item)` on and one asyncio task awaits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    def put(self, item: tuple[int, Any]) -> None:  # called on the engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed (server shut down): nobody waits any more
+            pass
+
+    async def get(self, timeout: float) -> tuple[int, Any]:
+        return await asyncio.wait_for(self._queue.get(), timeout)
+
+
+class AsyncEngine:
+    """One LLM served to asyncio callers. `max_queued_requests`: how many requests may wait for their first token
+    before new ones are refused with QueueFullError (None: no limit)."""
+
+    def __init__(self, llm: LLM, *, max_queued_requests: int | None = None):
+        self.llm = llm
+        self.max_queued_requests = max_queued_requests
+        self.num_waiting = 0  # requests submitted that have no token yet (only touched on the event loop)
+        # Observers of each request's news, for metrics: on_submit(requests), on_delta(request, delta, now).
+        self.on_submit: list[Callable[[Sequence[Request]], None]] = []
+        self.on_delta: list[Callable[[Request, StreamDelta, float], None]] = []
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
+        """A checked request (ConfigError for a bad prompt or one too long for the context), not queued yet."""
+        return self.llm.engine.make_request(prompt_ids, params, detokenize=self.tokenizer is not None)
+
+    def submit(self, requests: Sequence[Request]) -> RequestGroup:
+        """Queue requests made by `make_request` together; their deltas arrive through the group it returns."""
+        limit = self.max_queued_requests
+        if limit is not None and self.num_waiting + len(requests) > limit:
+            raise QueueFullError(
+                f"{self.num_waiting} requests are waiting for a first token and this one adds {len(requests)}: "
+                f"the server takes at most {limit} (--max-queued-requests); retry later"
+            )
+        group = RequestGroup(self, requests)
+        channel = AsyncChannel(asyncio.get_running_loop())
+        loop = self.llm._loop  # the LLM's engine thread (the one EngineLoop of this process)
+        self.num_waiting += len(requests)
+        try:
+            for request in requests:
+                loop.submit(request, channel, stream=True)
+        except BaseException:
+            group.abort()
+            raise
+        group._channel = channel
+        for observe in self.on_submit:
+            observe(requests)
+        return group
+
+
+class RequestGroup:
+    """The requests of one call. Iterate for `(index, delta)` until every request has finished; `abort()` (or
+    `async with`) ends the unfinished ones."""
+
+    def __init__(self, engine: AsyncEngine, requests: Sequence[Request]):
+        self._engine = engine
+        self.requests = list(requests)
+        self._index = {r.request_id: i for i, r in enumerate(self.requests)}
+        self._started: set[int] = set()
+        self._finished: set[int] = set()
+        self._channel: AsyncChannel | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> RequestGroup:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.abort()
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        loop = self._engine.llm._loop
+        while len(self._finished) < len(self.requests):
+            try:
+                request_id, item = await self._channel.get(_LIVENESS_CHECK_S)
+            except asyncio.TimeoutError:
+                loop.check_alive()
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            index = self._index[request_id]
+            self._mark_started(request_id)
+            if item.finish_reason is not None:
+                self._finished.add(request_id)
+            now = time.perf_counter()
+            for observe in self._engine.on_delta:
+                observe(self.requests[index], item, now)
+            yield index, item
+
+    def _mark_started(self, request_id: int) -> None:
+        if request_id not in self._started:
+            self._started.add(request_id)
+            self._engine.num_waiting -= 1
+
+    def abort(self) -> None:
+        """End every request of the group that has not finished (idempotent); the engine frees their pages."""
+        if self._closed:
+            return
+        self._closed = True
+        loop = self._engine.llm._loop
+        for request in self.requests:
+            self._mark_started(request.request_id)  # no longer waiting, whatever happens next
+            if request.request_id not in self._finished:
+                loop.abort(request.request_id)

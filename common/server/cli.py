@@ -1,0 +1,63 @@
+"""`omnirun serve`: the engine's flags plus the server's, then uvicorn until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from omnirun.errors import OmnirunError
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    from omnirun.cli_flags import add_runner_flags
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (the embedded model by default)")
+    add_runner_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    serve.add_argument("--api-key", default=None, help="when set, /v1 requests must send 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests that may wait for their first token; more get 503 with Retry-After (default: no limit)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from omnirun.cli_flags import llm_kwargs
+    from omnirun.engine import LLM
+    from omnirun.engine.tokenizer import tokenizer_dir
+    from omnirun.registry import select_platform
+    from omnirun.server.app import create_app
+
+    if not 0 <= args.port <= 65535:
+        raise OmnirunError(f"--port {args.port} is not a TCP port: use 0..65535")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise OmnirunError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.api_key is not None and not args.api_key:
+        raise OmnirunError("--api-key is empty: give a key, or leave the flag out for no key")
+    select_platform(args.device)  # an unusable device fails here, in one line, before anything loads
+    model = args.model
+    if model is None:
+        from omnirun.assets.default_model import default_model_dir
+
+        model = default_model_dir()
+    if tokenizer_dir(args.tokenizer, model) is None:
+        raise OmnirunError(f"{model} has no tokenizer, which the server needs: pass --tokenizer <HF tokenizer dir>")
+    with LLM(model, **llm_kwargs(args)) as llm:
+        app = create_app(
+            llm,
+            served_model_name=args.served_model_name or (args.model or "default"),
+            api_key=args.api_key,
+            max_queued_requests=args.max_queued_requests,
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

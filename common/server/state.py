@@ -1,0 +1,30 @@
+"""What every route of one server reads: the engine, the model's served name, and the token texts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from omnirun.server.async_engine import AsyncEngine
+from omnirun.server.errors import OpenAIError
+from omnirun.server.generation import TokenText
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_text = TokenText(self.engine.tokenizer)
+
+    def check_model(self, model: str | None) -> str:
+        """The served name; a request naming another model is a 404 (none named: the one served)."""
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(
+                404,
+                f"the model {model!r} does not exist here: this server serves {self.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return self.served_model_name
