@@ -61,11 +61,11 @@ def test_completions_greedy_text_equals_llm_generate(llm, client):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(llm.encode(prompt)), 12)
     assert out.usage.total_tokens == out.usage.prompt_tokens + 12
 
-    chunks = list(
-        client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
-        )
+    usage = {"include_usage": True}
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True, stream_options=usage
     )
+    chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
@@ -108,8 +108,9 @@ def test_chat_greedy_text_equals_llm_generate_on_the_templated_prompt(llm, clien
     got_top = [t.logprob for c in content for t in c.top_logprobs]
     assert got_top == pytest.approx([v for top in expected.top_logprobs for _, v in top])
 
+    usage = {"include_usage": True}
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True, stream_options=usage
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -65,9 +65,9 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)  # the template wrote the special tokens
 
 
-def _logprobs(state: ServerState, choice: Choice, start: int, n_top: int) -> ChatLogprobs:
+def _logprobs(name: Callable[[int], str], choice: Choice, start: int, n_top: int) -> ChatLogprobs:
     def top(token_id: int, logprob: float) -> TopLogprob:
-        text = state.token_text(token_id)
+        text = name(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
     content = []
@@ -88,6 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
     params = sampling_params(body, max_tokens=max_tokens, logprobs=n_top if body.logprobs else None)
     requests = make_requests(state.engine, [prompt], params, body.n)
     group = state.engine.submit(requests)
+    name = state.token_namer(body.return_tokens_as_token_ids)
     rid, created = new_id("chatcmpl"), now()
 
     if body.stream:
@@ -103,7 +104,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
                     async for index, delta in group:
                         start = len(choices[index].token_ids)
                         choices[index].add(delta)
-                        logprobs = _logprobs(state, choices[index], start, n_top) if body.logprobs else None
+                        logprobs = _logprobs(name, choices[index], start, n_top) if body.logprobs else None
                         out = ChatStreamChoice(
                             index=index,
                             delta=ChatDelta(content=delta.text or ""),
@@ -127,7 +128,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
         ChatChoice(
             index=index,
             message=ChatResponseMessage(content=choice.text),
-            logprobs=_logprobs(state, choice, 0, n_top) if body.logprobs else None,
+            logprobs=_logprobs(name, choice, 0, n_top) if body.logprobs else None,
             finish_reason=choice.finish_reason,
         )
         for index, choice in enumerate(choices)

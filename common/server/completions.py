@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -41,15 +41,15 @@ def _prompts(state: ServerState, prompt: str | list) -> list[list[int]]:
     return [list(prompt)]  # token ids (an empty list is refused by the engine: no token to continue from)
 
 
-def _logprobs(state: ServerState, choice: Choice, start: int, offset: int, n_top: int) -> CompletionLogprobs:
+def _logprobs(name: Callable[[int], str], choice: Choice, start: int, offset: int, n_top: int) -> CompletionLogprobs:
     """Logprobs of the tokens from `start` on; text offsets count from `offset` (the echoed prompt's length)."""
-    tokens = [state.token_text(t) for t in choice.token_ids[start:]]
+    tokens = [name(t) for t in choice.token_ids[start:]]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     if n_top:
-        top = [{state.token_text(t): v for t, v in step} for step in choice.top_logprobs[start:]]
+        top = [{name(t): v for t, v in step} for step in choice.top_logprobs[start:]]
     else:  # logprobs=0: the chosen token only
         top = [{tok: v} for tok, v in zip(tokens, choice.logprobs[start:], strict=True)]
     return CompletionLogprobs(
@@ -68,6 +68,7 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
     requests = make_requests(state.engine, prompts, params, body.n)
     echoes = [state.engine.tokenizer.decode(p) if body.echo else "" for p in prompts]
     group = state.engine.submit(requests)
+    name = state.token_namer(body.return_tokens_as_token_ids)
     rid, created = new_id("cmpl"), now()
 
     if body.stream:
@@ -84,7 +85,13 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
                         echo = echoes[index // body.n] if first else ""
                         logprobs = None
                         if body.logprobs is not None:
-                            logprobs = _logprobs(state, choice, start, len(echo), body.logprobs)
+                            logprobs = _logprobs(
+                                name,
+                                choice,
+                                start,
+                                len(echo),
+                                body.logprobs,
+                            )
                         out = CompletionChoice(
                             index=index,
                             text=echo + (delta.text or ""),
@@ -107,7 +114,7 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
     out = []
     for index, choice in enumerate(choices):
         echo = echoes[index // body.n]
-        logprobs = None if body.logprobs is None else _logprobs(state, choice, 0, len(echo), body.logprobs)
+        logprobs = None if body.logprobs is None else _logprobs(name, choice, 0, len(echo), body.logprobs)
         out.append(
             CompletionChoice(
                 index=index, text=echo + choice.text, logprobs=logprobs, finish_reason=choice.finish_reason

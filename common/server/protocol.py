@@ -43,6 +43,7 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>" (no decoding)
 
 
 class CompletionRequest(_SamplingFields):

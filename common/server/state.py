@@ -28,3 +28,7 @@ class ServerState:
                 code="model_not_found",
             )
         return self.served_model_name
+
+    def token_namer(self, as_ids: bool):
+        """How logprobs name a token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+        return (lambda token_id: f"token_id:{token_id}") if as_ids else self.token_text
