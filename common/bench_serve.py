@@ -120,7 +120,9 @@ async def run_load(args: argparse.Namespace, model: str) -> tuple[list[RequestRe
     async with httpx.AsyncClient(timeout=None, limits=connections) as client:
         tasks = []
         start = time.perf_counter()
-        for prompt, output_len in requests:
+        for i, (prompt, output_len) in enumerate(requests):
+            if i and math.isfinite(args.request_rate):  # Poisson arrivals: exponential gaps
+                await asyncio.sleep(rng.expovariate(args.request_rate))
             body = {
                 "model": model,
                 "prompt": prompt,
@@ -131,8 +133,6 @@ async def run_load(args: argparse.Namespace, model: str) -> tuple[list[RequestRe
                 "stream_options": {"include_usage": True},
             }
             tasks.append(asyncio.create_task(limited(client, body)))
-            if math.isfinite(args.request_rate):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
     bar.close()

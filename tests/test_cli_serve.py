@@ -1,0 +1,82 @@
+"""`omnirun serve` from the command line, and `omnirun bench serve` against a test server."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from omnirun.cli import main
+from omnirun.engine import LLM
+from omnirun.server.app import create_app
+from omnirun.server.testing import running_server
+
+
+def test_bench_serve_loads_a_server_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    with LLM(device="cpu", max_total_tokens=4096) as llm, running_server(create_app(llm, api_key="k")) as url:
+        argv = ["bench", "serve", "--base-url", url, "--api-key", "k", "--num-prompts", "12", "--input-len", "8"]
+        argv += ["--output-len", "5", "--request-rate", "200", "--max-concurrency", "4", "--random-range-ratio", "0.5"]
+        assert main([*argv, "--json", str(out), "--no-progress"]) == 0
+        usage = llm.kv_usage()
+        assert usage.pages_free == usage.pages_total
+    printed = capsys.readouterr().out
+    for label in ("request throughput", "output throughput", "TTFT", "TPOT", "ITL"):
+        assert label in printed
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"], result["max_concurrency"]) == (12, 0, 4)
+    assert 12 * 2 <= result["total_output_tokens"] <= 12 * 7  # lengths in [5 * 0.5, 5 * 1.5]
+    for name in ("ttft", "tpot", "itl"):
+        stats = [result[f"{name}_ms_{s}"] for s in ("mean", "p50", "p90", "p99")]
+        assert all(v > 0 for v in stats) and stats[1] <= stats[2] <= stats[3]
+    assert result["output_tokens_per_s"] > 0 and result["request_throughput"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--port", "70000"], "--port 70000"),
+        (["serve", "--max-queued-requests", "-1"], "--max-queued-requests"),
+        (["serve", "--device", "nosuch"], "nosuch"),
+        (["bench", "serve", "--request-rate", "0"], "--request-rate"),
+        (["bench", "serve", "--base-url", "http://127.0.0.1:9"], "cannot reach the server"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omnirun: error:") and message in err and err.count("\n") == 1
+
+
+def test_omnirun_serve_starts_on_the_embedded_model_and_answers():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # (a small race with other processes for this port; the test fails loudly if it loses it)
+    argv = [sys.executable, "-m", "omnirun.cli", "serve", "--device", "cpu", "--port", str(port)]
+    argv += ["--max-total-tokens", "4096", "--served-model-name", "tiny", "--log-level", "warning"]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server did not start within 120 s"
+                time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3}
+        out = httpx.post(f"{url}/v1/completions", json=body).json()
+        assert out["model"] == "tiny" and out["usage"]["completion_tokens"] == 3
+    finally:
+        server.terminate()
+        # uvicorn shuts down on SIGTERM, then raises the signal again so the exit status says what stopped it
+        assert server.wait(60) in (0, -signal.SIGTERM)
