@@ -19,8 +19,23 @@ from omnirun.server.testing import running_server
 
 
 def test_bench_serve_loads_a_server_and_writes_json(tmp_path, capsys):
+    # A dummy preset without a tokenizer, as in the GPU benchmark: token-id prompts only.
     out = tmp_path / "serve.json"
-    with LLM(device="cpu", max_total_tokens=4096) as llm, running_server(create_app(llm, api_key="k")) as url:
+    llm = LLM("tiny-llama", load_format="dummy", device="cpu", max_total_tokens=4096)
+    with llm, running_server(create_app(llm, api_key="k")) as url:
+        headers = {"Authorization": "Bearer k"}
+        text = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello"}, headers=headers)
+        assert text.status_code == 400 and "tokenizer" in text.json()["error"]["message"]
+        chat = httpx.post(
+            f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}, headers=headers
+        )
+        assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+        ids = httpx.post(
+            f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "logprobs": 1}, headers=headers
+        )
+        assert ids.json()["choices"][0]["text"] == "" and ids.json()["choices"][0]["logprobs"]["tokens"][0].startswith(
+            "token_id:"
+        )
         argv = ["bench", "serve", "--base-url", url, "--api-key", "k", "--num-prompts", "12", "--input-len", "8"]
         argv += ["--output-len", "5", "--request-rate", "200", "--max-concurrency", "4", "--random-range-ratio", "0.5"]
         assert main([*argv, "--json", str(out), "--no-progress"]) == 0

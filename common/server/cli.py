@@ -51,7 +51,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         model = default_model_dir()
     if tokenizer_dir(args.tokenizer, model) is None:
-        raise OmnirunError(f"{model} has no tokenizer, which the server needs: pass --tokenizer <HF tokenizer dir>")
+        logger.warning(
+            "%s has no tokenizer: serving token-id prompts on /v1/completions only, with empty text (pass "
+            "--tokenizer <HF tokenizer dir> for text)",
+            model,
+        )
     with LLM(model, **llm_kwargs(args)) as llm:
         app = create_app(
             llm,

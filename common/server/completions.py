@@ -63,6 +63,10 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
         raise OpenAIError(
             400, "echo with logprobs needs the prompt's logprobs, which omnirun does not compute", param="echo"
         )
+    if body.echo and state.engine.tokenizer is None:
+        raise OpenAIError(
+            400, "echo needs a tokenizer, and this server has none (start it with --tokenizer)", param="echo"
+        )
     prompts = _prompts(state, body.prompt)
     params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
     requests = make_requests(state.engine, prompts, params, body.n)

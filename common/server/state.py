@@ -31,4 +31,6 @@ class ServerState:
 
     def token_namer(self, as_ids: bool):
         """How logprobs name a token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
-        return (lambda token_id: f"token_id:{token_id}") if as_ids else self.token_text
+        if as_ids or self.engine.tokenizer is None:
+            return lambda token_id: f"token_id:{token_id}"
+        return self.token_text
