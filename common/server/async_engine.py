@@ -2,7 +2,7 @@
 
 No second loop: the EngineLoop's thread steps the engine as it does for `LLM.generate`; an AsyncChannel is a
 channel it can put on (like the thread-safe queue LLM callers wait on) that hands each item to the asyncio event
-loop with `call_soon_threadsafe`. The requests of one HTTP call (its prompts x n choices) share one channel and
+loop through a Mailbox (one `call_soon_threadsafe` per batch of items, not one per item). The requests of one HTTP call (its prompts x n choices) share one channel and
 form a RequestGroup; leaving the group early (a client that went away, an error) aborts the unfinished ones,
 whose pages the engine frees at its next step.
 """
@@ -10,6 +10,7 @@ whose pages the engine frees at its next step.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -26,18 +27,43 @@ class QueueFullError(OmnirunError):
     """More requests wait for their first token than --max-queued-requests allows."""
 
 
-class AsyncChannel:
-    """A channel the engine thread puts `(request_id, item)` on and one asyncio task awaits."""
+class Mailbox:
+    """Items the engine thread posts for an event loop, handed over with one wake-up per batch of posts.
+
+    A step publishes to every running request's channel; waking the event loop once per step instead of once per
+    request keeps the engine thread's cost (a write to the loop's self-pipe each) off the step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:  # called on the engine thread
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:
+                return  # a wake-up is already on its way
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is closed (server shut down): nobody waits any more
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+class AsyncChannel:
+    """A channel the engine thread puts `(request_id, item)` on and one asyncio task awaits."""
+
+    def __init__(self, mailbox: Mailbox):
+        self._mailbox = mailbox
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     def put(self, item: tuple[int, Any]) -> None:  # called on the engine thread
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed (server shut down): nobody waits any more
-            pass
+        self._mailbox.post(self._queue, item)
 
     async def get(self, timeout: float) -> tuple[int, Any]:
         return await asyncio.wait_for(self._queue.get(), timeout)
@@ -54,6 +80,7 @@ class AsyncEngine:
         # Observers of each request's news, for metrics: on_submit(requests), on_delta(request, delta, now).
         self.on_submit: list[Callable[[Sequence[Request]], None]] = []
         self.on_delta: list[Callable[[Request, StreamDelta, float], None]] = []
+        self._mailbox: Mailbox | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -72,7 +99,10 @@ class AsyncEngine:
                 f"the server takes at most {limit} (--max-queued-requests); retry later"
             )
         group = RequestGroup(self, requests)
-        channel = AsyncChannel(asyncio.get_running_loop())
+        event_loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox._loop is not event_loop:
+            self._mailbox = Mailbox(event_loop)
+        channel = AsyncChannel(self._mailbox)
         loop = self.llm._loop  # the LLM's engine thread (the one EngineLoop of this process)
         self.num_waiting += len(requests)
         try:
