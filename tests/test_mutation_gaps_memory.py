@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 
+from omnirun.errors import ConfigError
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
 from omnirun.memory.kv_cache import _is_one_byte_float
 
@@ -59,7 +60,40 @@ def test_in_use_at_the_ends_of_the_row_range():
     assert rows == [0, 1, 2]
     assert [pool.in_use(r) for r in (-1, 0, 1, 2, 3)] == [False, True, True, True, False]
     pool.free(0)
-    assert not pool.in_use(0) and pool.in_use(2)
+    assert pool.in_use(0) is False and pool.in_use(2) is True
+    with pytest.raises(ValueError) as excinfo:
+        pool.free(3)
+    assert str(excinfo.value) == "cannot free request row 3: valid rows are 0..2"
+
+
+def _memory(num_pages: int, page_size: int) -> KVMemory:
+    return KVMemory(
+        PageAllocator(num_pages, page_size),
+        ReqToTokenPool(4, 32, CPU),
+        PagedKVCache(1, (num_pages + 1) * page_size, 1, 2, torch.float32, CPU, page_size=page_size),
+        page_size,
+    )
+
+
+def test_three_requests_taking_new_pages_in_one_batch_get_distinct_pages():
+    mem = _memory(12, 2)
+    rows = [mem.new_request() for _ in range(3)]
+    mem.alloc_tokens(rows, [0, 0, 0], [3, 1, 4])  # 2 + 1 + 2 pages: pages 1-5 in batch order
+    assert [mem.pages_of(r) for r in rows] == [[1, 2], [3], [4, 5]]
+    slots = mem.alloc_tokens(rows, [3, 1, 4], [5, 4, 5])  # 1 + 1 + 1 more: 6, 7, 8
+    assert [mem.pages_of(r) for r in rows] == [[1, 2, 6], [3, 7], [4, 5, 8]]
+    # request 0: positions 3 (page 2), 4 (page 6); 1: 1 (page 3), 2, 3 (page 7); 2: 4 (page 8)
+    assert slots.tolist() == [2 * 2 + 1, 6 * 2, 3 * 2 + 1, 7 * 2, 7 * 2 + 1, 8 * 2]
+    for row in rows:
+        n = mem.num_tokens_of(row)
+        assert mem.req_to_token.table[row, :n].tolist() == [mem.pages_of(row)[p // 2] * 2 + p % 2 for p in range(n)]
+
+
+def test_a_batch_without_new_tokens_gives_an_empty_int64_tensor():
+    mem = _memory(4, 2)
+    row = mem.new_request()
+    slots = mem.alloc_tokens([row], [0], [0])
+    assert slots.dtype == torch.int64 and slots.numel() == 0
 
 
 def test_reserved_bytes_counts_the_live_caches_of_that_device_type():
@@ -89,3 +123,40 @@ def test_only_fp8_storage_takes_the_byte_view(dtype, one_byte_float):
     """Indexed fp8 stores are missing on some devices (CPU has them, so set_kv's result cannot tell): the byte view
     is for one-byte floats, and only for them."""
     assert _is_one_byte_float(dtype) is one_byte_float
+
+
+def test_kv_memory_refuses_an_allocator_of_another_page_size_with_the_fix():
+    with pytest.raises(ConfigError) as excinfo:
+        KVMemory(
+            PageAllocator(4, 2),
+            ReqToTokenPool(2, 8, CPU),
+            PagedKVCache(1, 5 * 4, 1, 2, torch.float32, CPU, page_size=4),
+            4,
+        )
+    assert str(excinfo.value) == "PageAllocator has page_size 2: build it with page_size=4"
+
+
+def test_rows_outside_the_table_are_not_live_not_other_rows():
+    mem = _memory(8, 2)
+    rows = [mem.new_request() for _ in range(4)]  # every row live, the last one included
+    mem.alloc_tokens(rows, [0] * 4, [1] * 4)
+    for row in (-1, 4):  # -1 would index the last row from the end
+        with pytest.raises(ValueError, match=rf"request row {row} is not live"):
+            mem.pages_of(row)
+
+
+def test_a_batch_whose_lists_differ_in_length_says_so():
+    mem = _memory(4, 2)
+    row = mem.new_request()
+    with pytest.raises(ValueError) as excinfo:
+        mem.alloc_tokens([row, 1], [0], [1])
+    assert str(excinfo.value) == "rows, starts and ends differ in length: 2, 1, 1"
+
+
+def test_a_request_may_fill_the_context_length_exactly_and_not_more():
+    mem = _memory(16, 2)  # the table holds 32 positions per row
+    row = mem.new_request()
+    assert mem.alloc_tokens([row], [0], [32]).numel() == 32
+    other = mem.new_request()
+    with pytest.raises(ValueError, match=r"end 33 must be in \[0, 32\]"):
+        mem.alloc_tokens([other], [0], [33])
