@@ -160,3 +160,55 @@ def test_a_request_may_fill_the_context_length_exactly_and_not_more():
     other = mem.new_request()
     with pytest.raises(ValueError, match=r"end 33 must be in \[0, 32\]"):
         mem.alloc_tokens([other], [0], [33])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0, 8), "max_requests must be >= 1, got 0"),
+        ((2, 0), "max_context_len must be >= 1, got 0"),
+    ],
+)
+def test_req_to_token_pool_refuses_an_empty_table_naming_the_argument(args, message):
+    with pytest.raises(ValueError) as excinfo:
+        ReqToTokenPool(*args, CPU)
+    assert str(excinfo.value) == message
+
+
+def test_the_smallest_req_to_token_pool_and_kv_cache_are_accepted():
+    pool = ReqToTokenPool(1, 1, CPU)
+    assert pool.table.shape == (1, 1) and pool.alloc() == 0
+    cache = PagedKVCache(1, 3, 1, 1, torch.float32, CPU, page_size=3)  # just the padding page
+    assert cache.num_slots == 3
+    assert PagedKVCache(1, 1, 1, 1, torch.float32, CPU).page_size == 1  # one slot a page unless told
+
+
+def test_a_row_that_was_never_handed_out_cannot_be_freed():
+    pool = ReqToTokenPool(3, 8, CPU)
+    with pytest.raises(ValueError, match="double free: request row 1 is not in use"):
+        pool.free(1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_layers": 0}, "num_layers must be >= 1, got 0"),
+        ({"num_kv_heads": 0}, "num_kv_heads must be >= 1, got 0"),
+        ({"head_dim": -1}, "head_dim must be >= 1, got -1"),
+        ({"page_size": 0}, "page_size must be >= 1, got 0"),
+        ({"num_slots": 3}, "num_slots (3) must hold at least the padding page (4 slots)"),
+    ],
+)
+def test_kv_cache_refuses_bad_sizes_naming_the_argument(kwargs, message):
+    args = {"num_layers": 1, "num_slots": 8, "num_kv_heads": 1, "head_dim": 2, "page_size": 4, **kwargs}
+    with pytest.raises(ValueError) as excinfo:
+        PagedKVCache(dtype=torch.float32, device=CPU, **args)
+    assert str(excinfo.value) == message
+
+
+def test_the_buffers_live_on_the_device_asked_for():
+    """On the meta device (no memory, any host), so that a buffer left on the default device shows."""
+    cache = PagedKVCache(2, 8, 1, 2, torch.float32, "meta", page_size=2)
+    assert cache.device == torch.device("meta")
+    assert all(buf.device.type == "meta" for buf in cache.k_buffers + cache.v_buffers)
+    assert ReqToTokenPool(2, 4, "meta").table.device.type == "meta"
