@@ -124,10 +124,12 @@ def test_penalties_without_history_are_refused():
 
 @pytest.fixture(scope="module")
 def runner():
+    from omnirun.assets.default_model import default_model_dir
     from omnirun.registry import get_platform
     from omnirun.testing import make_runner
 
-    return make_runner(get_platform("cpu"), "tiny-llama", load_format="dummy")
+    # The embedded model's weights are files (dummy weights may change with how they are drawn).
+    return make_runner(get_platform("cpu"), default_model_dir())
 
 
 def _teacher_forced_logits(runner, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -148,20 +150,20 @@ def test_engine_tokens_follow_the_adjusted_logits(runner, overlap):
     from omnirun.engine import Engine
 
     engine = Engine(runner, eos_token_ids=[EOS], overlap_schedule=overlap)
-    prompt = list(range(10, 22))
-    bias = {9: 1.0}  # the dummy model never repeats itself in 12 tokens; this bias makes it repeat token 9
+    prompt = [54, 261, 370, 414]  # "The model runner": greedily the model repeats itself ([414] * 4 + [459] * 6)
     cases = [
-        SamplingParams(temperature=0, max_new_tokens=12, logit_bias=bias, frequency_penalty=0.4),
-        SamplingParams(temperature=0, max_new_tokens=12, logit_bias=bias, presence_penalty=1.0),
-        SamplingParams(temperature=0, max_new_tokens=12, logit_bias=bias, repetition_penalty=3.0),
-        SamplingParams(temperature=0, max_new_tokens=12, logit_bias={EOS: 50.0}, min_tokens=5),
-        SamplingParams(temperature=0, max_new_tokens=12, logit_bias=bias),
+        SamplingParams(temperature=0, max_new_tokens=10, frequency_penalty=0.3),
+        SamplingParams(temperature=0, max_new_tokens=10, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_new_tokens=10, repetition_penalty=1.5),
+        SamplingParams(temperature=0, max_new_tokens=10, logit_bias={9: 1.5, 414: -100.0}),
+        SamplingParams(temperature=0, max_new_tokens=10, logit_bias={EOS: 50.0}, min_tokens=5),
+        SamplingParams(temperature=0, max_new_tokens=10),
     ]
     requests = [engine.add_request(prompt, p) for p in cases]
     while engine.has_work:
         engine.step()
     plain = requests[-1].output_ids
-    assert plain == [9] * 12
+    assert plain == [414] * 4 + [459] * 6
     for req, p in zip(requests, cases, strict=True):
         logits = _teacher_forced_logits(runner, prompt, req.output_ids)
         for t, token in enumerate(req.output_ids):
@@ -170,5 +172,5 @@ def test_engine_tokens_follow_the_adjusted_logits(runner, overlap):
         if p is not cases[-1]:
             assert req.output_ids != plain, f"{p} changed nothing: the test would not see it ignored"
     # min_tokens held EOS back for 5 tokens, then the bias made it the 6th
-    held = requests[3]
+    held = requests[4]
     assert len(held.output_ids) == 6 and held.output_ids[-1] == EOS and held.finish_reason.value == "stop"
