@@ -698,6 +698,24 @@ def test_dummy_weights_on_a_tiny_llama_preset():
         assert torch.equal(b1, b2), name
 
 
+def test_dummy_weights_belong_to_the_checkpoint_names_not_to_the_fused_parameters():
+    # The rule: every HF checkpoint tensor is drawn whole from (seed, its name). So omnirun's decoder (q/k/v and
+    # gate/up fused, and split under tensor parallelism) holds exactly the values HF's model gets from the same rule.
+    from omnirun.layers.ops import Ops
+    from omnirun.models.architecture import decoder_shape
+    from omnirun.models.decoder import DecoderForCausalLM
+    from omnirun.weights import read_weight
+
+    config = _tiny_config(architectures=["LlamaForCausalLM"])
+    ours = DecoderForCausalLM(decoder_shape(config), config, max_positions=64, ops=Ops(), dtype=torch.float32)
+    hf = LlamaForCausalLM(config)
+    init_dummy_weights(ours, seed=7)
+    init_dummy_weights(hf, seed=7)
+    expected = hf.state_dict()
+    for name in ours.checkpoint_names():
+        assert torch.equal(read_weight(ours, name), expected[name]), name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 def test_dummy_weights_keep_the_parameter_dtype(dtype):
     model = torch.nn.Module()

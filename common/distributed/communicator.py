@@ -1,6 +1,6 @@
 """Collectives over one process group, through torch.distributed: what `Platform.make_communicator` returns by default.
 
-The runner calls only these five methods; a platform may hand back a faster subclass (a custom all-reduce) and the
+The runner calls only these six methods; a platform may hand back a faster subclass (a custom all-reduce) and the
 runner never knows which it got.
 
 Inside a captured graph (CUDA/HIP graphs with NCCL/RCCL; torch records the collective kernels on the capture stream):
@@ -8,7 +8,7 @@ Inside a captured graph (CUDA/HIP graphs with NCCL/RCCL; torch records the colle
   writes the same addresses as capture.
 - `all_gather` allocates its output during capture from the graph's private pool, which replay reuses at the same
   address; pass `out=` to gather into a buffer the caller owns.
-- `broadcast_object` and `barrier` synchronise with the host: never call them while capturing.
+- `broadcast_object`, `all_gather_object` and `barrier` synchronise with the host: never call them while capturing.
 Not checked here: this machine has no GPU, so graph capture of these calls is untested (gloo cannot be captured).
 
 A group of one does no collective call at all: a single-device runner pays nothing for holding a communicator.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 
 class Communicator:
-    """all_reduce (sum), all_gather, broadcast (tensors and small objects) and barrier over `group`.
+    """all_reduce (sum), all_gather and broadcast (tensors and small objects), all_gather_object, barrier over `group`.
 
     `group` None means the default (world) group; when torch.distributed is not initialised at all, the
     communicator is a world of one. Ranks given to `src` are ranks within the group."""
@@ -78,6 +78,14 @@ class Communicator:
         box = [obj]
         dist.broadcast_object_list(box, group=self.group, group_src=src)
         return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, in rank order. Syncs the host: not for captured graphs."""
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
 
     def barrier(self) -> None:
         """Wait until every rank of the group arrives. Syncs the host: not for captured graphs."""

@@ -1,4 +1,5 @@
-"""A Hugging Face safetensors checkpoint on disk: which files, which tensors, and reading them (never unpickling)."""
+"""A Hugging Face safetensors checkpoint on disk: which files, which tensors, and reading them, whole or in part
+(never unpickling)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -232,11 +234,12 @@ class SafetensorsCheckpoint:
                 )
 
     def iter_tensors(
-        self, names: Iterable[str] | None = None, progress: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self, names: Iterable[str] | None = None, progress: bool = False, lazy: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
         """Yield (name, CPU tensor) for every tensor, or only for `names`, file by file (memory-mapped reads).
 
-        Headers are validated first, so a truncated or corrupt file fails before any tensor is handed out.
+        Headers are validated first, so a truncated or corrupt file fails before any tensor is handed out. `lazy`:
+        yield LazyTensors instead, read (in part) by the consumer before it asks for the next one.
         """
         specs = self.tensor_specs()
         if names is None:
@@ -258,23 +261,48 @@ class SafetensorsCheckpoint:
         try:
             for file, file_names in by_file.items():
                 if file_names:
-                    yield from self._read_file(file, file_names, bar)
+                    yield from self._read_file(file, file_names, bar, specs if lazy else None)
         finally:
             if bar is not None:
                 bar.close()
 
     @staticmethod
-    def _read_file(file: Path, names: list[str], bar: object) -> Iterator[tuple[str, torch.Tensor]]:
+    def _read_file(
+        file: Path, names: list[str], bar: object, lazy_specs: dict[str, TensorSpec] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
         except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ...
             raise ModelLoadError(f"cannot open {file}: {_one_line(exc)}") from exc
         with handle as f:
             for name in names:
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as exc:
-                    raise ModelLoadError(f"cannot read tensor '{name}' from {file}: {_one_line(exc)}") from exc
+                if lazy_specs is not None:
+                    item = LazyTensor(f, lazy_specs[name])
+                else:
+                    try:
+                        item = f.get_tensor(name)
+                    except Exception as exc:
+                        raise ModelLoadError(f"cannot read tensor '{name}' from {file}: {_one_line(exc)}") from exc
                 if bar is not None:
                     bar.update(1)  # type: ignore[attr-defined]
-                yield name, tensor
+                yield name, item
+
+
+class LazyTensor:
+    """One tensor of an open safetensors file, not read yet: a tensor-parallel rank reads only its part of it
+    (`read(index)`, through safetensors' slices), never the whole tensor. Valid until the iterator moves on."""
+
+    def __init__(self, handle: Any, spec: TensorSpec):
+        self._handle, self.spec = handle, spec
+        self.shape, self.dtype = spec.shape, spec.dtype
+
+    def read(self, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The whole tensor (index None), or `tensor[index]` read from the file alone."""
+        try:
+            if index is None:
+                return self._handle.get_tensor(self.spec.name)
+            return self._handle.get_slice(self.spec.name)[index]
+        except Exception as exc:
+            raise ModelLoadError(
+                f"cannot read tensor '{self.spec.name}' from {self.spec.file}: {_one_line(exc)}"
+            ) from exc

@@ -1,10 +1,18 @@
-"""Seeded random weights for `--load-format dummy`: real shapes, no checkpoint, reproducible from the seed."""
+"""Seeded random weights for `--load-format dummy`: real shapes, no checkpoint, reproducible from the seed.
+
+The values belong to the checkpoint, not to the model's layout: each HF checkpoint tensor is drawn whole, from its
+own name and full shape, then loaded through the same path as a real checkpoint. So a model split over N ranks
+holds exactly the single-rank dummy weights, split.
+"""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 
 import torch
+
+from omnirun.weights import load_weights
 
 # Dtypes every backend can draw normals in directly; others (fp8, ints) are drawn in float32 and cast.
 _NORMAL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -18,30 +26,42 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _is_norm_weight(name: str, param: torch.Tensor) -> bool:
-    # RMSNorm/LayerNorm scales ("input_layernorm.weight", "model.norm.weight", "q_norm.weight"): ones, as at init.
-    return param.dim() == 1 and name.endswith("norm.weight")
+def dummy_tensor(
+    seed: int, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """The dummy value of checkpoint tensor `name`: norm scales (1-D "...norm.weight") ones, biases normal(0, 0.01),
+    other weights normal(0, 0.02), drawn on `device` from a generator seeded by (seed, name)."""
+    if len(shape) == 1 and name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    std = BIAS_STD if name.endswith("bias") else WEIGHT_STD
+    generator = torch.Generator(device=device)
+    generator.manual_seed(param_seed(seed, name))
+    draw_dtype = dtype if dtype in _NORMAL_DTYPES else torch.float32
+    values = torch.empty(shape, dtype=draw_dtype, device=device).normal_(0.0, std, generator=generator)
+    return values if draw_dtype == dtype else values.to(dtype)
+
+
+def dummy_checkpoint(model, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full dummy tensor) for every tensor of a complete checkpoint of `model` (one with `checkpoint_names`
+    and `checkpoint_target`), in the dtype and on the device of the parameter it fills."""
+    for name in model.checkpoint_names():
+        target = model.checkpoint_target(name)
+        if target is not None:
+            yield name, dummy_tensor(seed, name, target.full_shape, target.view.dtype, target.view.device)
 
 
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Fill every parameter of `model` in place, on its own device and dtype, from (seed, parameter name).
+    """Fill every parameter of `model` in place from (seed, checkpoint name); independent of module order.
 
-    Each parameter gets its own generator seeded from its name, so the result does not depend on module order:
-    norm scales are ones, biases normal(0, 0.01), other weights normal(0, 0.02). Buffers (e.g. rotary tables)
-    are left alone.
+    A model that maps checkpoint names to its parameters (the decoder, split or not) loads `dummy_checkpoint`
+    through `load_weights`; any other module's parameter names are its checkpoint names, each filled whole.
+    Buffers (e.g. rotary tables) are left alone.
     """
+    if hasattr(model, "checkpoint_target"):
+        load_weights(model, dummy_checkpoint(model, seed))
+        return
     for name, param in model.named_parameters():
         if param.is_meta:  # nothing to fill yet; the caller materialises it first
             continue
-        if _is_norm_weight(name, param):
-            param.fill_(1.0)
-            continue
-        std = BIAS_STD if name.endswith("bias") else WEIGHT_STD
-        generator = torch.Generator(device=param.device)
-        generator.manual_seed(param_seed(seed, name))
-        if param.dtype in _NORMAL_DTYPES:
-            param.normal_(0.0, std, generator=generator)
-        else:
-            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-            param.copy_(values.normal_(0.0, std, generator=generator))
+        param.copy_(dummy_tensor(seed, name, tuple(param.shape), param.dtype, param.device))

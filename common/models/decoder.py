@@ -2,6 +2,11 @@
 
 Parameter names follow HF's, except that q/k/v and gate/up are fused into `qkv_proj` and `gate_up_proj` (one
 matmul each); `checkpoint_target` maps a checkpoint tensor's name to the rows it fills.
+
+Tensor parallelism (Megatron): every rank builds the same module tree holding its own block of each weight, as
+`TPLayout` assigns them: q/k/v and gate/up column-parallel (whole heads per rank; kv heads replicated when fewer
+than ranks), o_proj and down row-parallel with an all-reduce, embedding and LM head vocab-parallel. Norm weights
+(q/k norms are per head_dim) are whole on every rank. At one rank nothing is split and nothing is communicated.
 """
 
 from __future__ import annotations
@@ -11,30 +16,38 @@ from torch import nn
 
 from omnirun.attention.backend import AttentionBackend, AttentionLayerSpec
 from omnirun.batch import ForwardBatch
+from omnirun.distributed.tensor_parallel import TensorParallel
 from omnirun.layers.activation import SiluAndMul
 from omnirun.layers.attention import PagedAttention
 from omnirun.layers.embedding import LMHead, VocabEmbedding
-from omnirun.layers.linear import Linear
+from omnirun.layers.linear import Linear, RowParallelLinear
 from omnirun.layers.norm import RMSNorm
 from omnirun.layers.ops import Ops
 from omnirun.layers.rotary import RotaryEmbedding
+from omnirun.layers.sharding import ShardTarget, Slice
 from omnirun.models.architecture import DecoderShape
+from omnirun.models.tp_layout import TPLayout, tp_layout
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_id: int, rotary: RotaryEmbedding, *, ops: Ops, dtype: torch.dtype):
+    def __init__(
+        self,
+        shape: DecoderShape,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        *,
+        ops: Ops,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        layout: TPLayout,
+    ):
         super().__init__()
-        self.q_size = shape.num_heads * shape.head_dim
-        self.kv_size = shape.num_kv_heads * shape.head_dim
-        self.head_dim = shape.head_dim
-        self.qkv_proj = Linear(
-            shape.hidden_size,
-            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-            bias=shape.qkv_bias,
-            ops=ops,
-            dtype=dtype,
-        )
-        self.o_proj = Linear(self.q_size, shape.hidden_size, bias=shape.o_bias, ops=ops, dtype=dtype)
+        hd = self.head_dim = shape.head_dim
+        q = Slice(shape.num_heads * hd, layout.head_start * hd, layout.num_heads * hd)
+        kv = Slice(shape.num_kv_heads * hd, layout.kv_head_start * hd, layout.num_kv_heads * hd)
+        self.q_size, self.kv_size = q.size, kv.size
+        self.qkv_proj = Linear(shape.hidden_size, {"q": q, "k": kv, "v": kv}, bias=shape.qkv_bias, ops=ops, dtype=dtype)
+        self.o_proj = RowParallelLinear(q, shape.hidden_size, bias=shape.o_bias, ops=ops, dtype=dtype, tp=tp)
         if shape.qk_norm:
             self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops=ops, dtype=dtype)
             self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops=ops, dtype=dtype)
@@ -43,8 +56,8 @@ class SelfAttention(nn.Module):
         self.attn = PagedAttention(
             AttentionLayerSpec(
                 layer_id=layer_id,
-                num_heads=shape.num_heads,
-                num_kv_heads=shape.num_kv_heads,
+                num_heads=layout.num_heads,
+                num_kv_heads=layout.num_kv_heads,
                 head_dim=shape.head_dim,
                 scaling=shape.head_dim**-0.5,
                 sliding_window=shape.sliding_windows[layer_id],
@@ -63,12 +76,13 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: DecoderShape, *, ops: Ops, dtype: torch.dtype):
+    def __init__(self, shape: DecoderShape, *, ops: Ops, dtype: torch.dtype, tp: TensorParallel, layout: TPLayout):
         super().__init__()
-        size = shape.intermediate_size
-        gate_up = {"gate": size, "up": size}
+        size = layout.intermediate_size
+        columns = Slice(shape.intermediate_size, layout.tp_rank * size, size)
+        gate_up = {"gate": columns, "up": columns}
         self.gate_up_proj = Linear(shape.hidden_size, gate_up, bias=shape.mlp_bias, ops=ops, dtype=dtype)
-        self.down_proj = Linear(size, shape.hidden_size, bias=shape.mlp_bias, ops=ops, dtype=dtype)
+        self.down_proj = RowParallelLinear(columns, shape.hidden_size, bias=shape.mlp_bias, ops=ops, dtype=dtype, tp=tp)
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,10 +90,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_id: int, rotary: RotaryEmbedding, *, ops: Ops, dtype: torch.dtype):
+    def __init__(
+        self,
+        shape: DecoderShape,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        *,
+        ops: Ops,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        layout: TPLayout,
+    ):
         super().__init__()
-        self.self_attn = SelfAttention(shape, layer_id, rotary, ops=ops, dtype=dtype)
-        self.mlp = MLP(shape, ops=ops, dtype=dtype)
+        self.self_attn = SelfAttention(shape, layer_id, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout)
+        self.mlp = MLP(shape, ops=ops, dtype=dtype, tp=tp, layout=layout)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
 
@@ -102,11 +126,20 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, shape: DecoderShape, rotary: RotaryEmbedding, *, ops: Ops, dtype: torch.dtype):
+    def __init__(
+        self,
+        shape: DecoderShape,
+        rotary: RotaryEmbedding,
+        *,
+        ops: Ops,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        layout: TPLayout,
+    ):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(shape.vocab_size, shape.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(shape.vocab_size, shape.hidden_size, dtype=dtype, tp=tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(shape, i, rotary, ops=ops, dtype=dtype) for i in range(shape.num_layers)
+            DecoderLayer(shape, i, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout) for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
 
@@ -132,13 +165,27 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, shape: DecoderShape, config, *, max_positions: int, ops: Ops, dtype: torch.dtype):
+    def __init__(
+        self,
+        shape: DecoderShape,
+        config,
+        *,
+        max_positions: int,
+        ops: Ops,
+        dtype: torch.dtype,
+        tp: TensorParallel | None = None,
+        layout: TPLayout | None = None,
+    ):
         super().__init__()
-        self.shape = shape
+        tp = tp or TensorParallel.single()
+        layout = layout or tp_layout(shape, tp.size, tp.rank)
+        if (layout.tp_rank, layout.tp_size) != (tp.rank, tp.size):
+            raise ValueError(f"layout of rank {layout.tp_rank}/{layout.tp_size} given to rank {tp.rank}/{tp.size}")
+        self.shape, self.tp, self.layout = shape, tp, layout
         rotary = RotaryEmbedding(config, shape.head_dim, max_positions, ops=ops)
-        self.model = DecoderModel(shape, rotary, ops=ops, dtype=dtype)
+        self.model = DecoderModel(shape, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout)
         tied = self.model.embed_tokens if shape.tie_word_embeddings else None
-        self.lm_head = LMHead(shape.vocab_size, shape.hidden_size, ops=ops, dtype=dtype, tied_to=tied)
+        self.lm_head = LMHead(shape.vocab_size, shape.hidden_size, ops=ops, dtype=dtype, tied_to=tied, tp=tp)
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         return self.model(batch, backend)
@@ -152,8 +199,9 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, (Linear, LMHead)):
                 module.prepare()
 
-    def checkpoint_target(self, name: str) -> torch.Tensor | None:
-        """The parameter rows an HF checkpoint tensor `name` fills; None for tensors to skip; KeyError if unknown."""
+    def checkpoint_target(self, name: str) -> ShardTarget | None:
+        """Where HF checkpoint tensor `name` lands on this rank (the parameter rows or columns it fills, and which part
+        of the full tensor they hold); None for tensors to skip; KeyError if unknown."""
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head.tied):
             return None  # recomputed at start-up / the tied head reads the embedding
         module_path, _, param_name = name.rpartition(".")
@@ -166,11 +214,15 @@ class DecoderForCausalLM(nn.Module):
                 raise KeyError(name) from exc
             if getattr(linear, param_name, None) is None:
                 raise KeyError(name)
-            return linear.shard_view(param_name, shard)
+            return linear.checkpoint_slice(param_name, shard)
         try:
-            return self.get_parameter(name).data
+            param = self.get_parameter(name)
+            module = self.get_submodule(module_path)
         except AttributeError as exc:
             raise KeyError(name) from exc
+        if hasattr(module, "checkpoint_slice"):  # split layers: o_proj, down_proj, embedding, head
+            return module.checkpoint_slice(param_name)
+        return ShardTarget(param.data, tuple(param.shape))  # norms: whole on every rank
 
     def checkpoint_names(self) -> list[str]:
         """The HF names of every tensor a complete checkpoint of this model holds (the inverse of the fusing)."""
