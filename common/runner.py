@@ -11,6 +11,7 @@ device it is on: it reads the platform's capabilities and asks the platform for 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import gc
 import logging
@@ -24,10 +25,19 @@ import torch.distributed as dist
 
 from omnirun.attention.backend import AttentionBackend, AttentionContext, HybridAttentionBackend
 from omnirun.attention.registry import attention_factories, choose_backend
-from omnirun.batch import ForwardBatch, ForwardMode
+from omnirun.batch import ForwardBatch, ForwardMode, HostBatch
 from omnirun.config import RunnerConfig
+from omnirun.distributed.link import WorkerLink
 from omnirun.distributed.process_group import init_process_group
-from omnirun.errors import KVPoolTooSmallError, ModelLoadError, WeightUpdateError
+from omnirun.distributed.tensor_parallel import TensorParallel
+from omnirun.distributed.weights_group import (
+    DEFAULT_WEIGHTS_GROUP_TIMEOUT_S,
+    join_weights_group,
+    leave_weights_group,
+    parse_incoming,
+    receive_broadcast,
+)
+from omnirun.errors import DistributedInitError, KVPoolTooSmallError, ModelLoadError, WeightUpdateError
 from omnirun.layers.ops import resolve_ops
 from omnirun.loader import (
     SafetensorsCheckpoint,
@@ -47,10 +57,11 @@ from omnirun.memory import (
 )
 from omnirun.models.architecture import decoder_shape
 from omnirun.models.decoder import DecoderForCausalLM
+from omnirun.models.tp_layout import tp_layout
 from omnirun.platform import Platform
 from omnirun.registry import select_platform
 from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory
-from omnirun.weights import apply_update, check_update, load_weights, read_weight
+from omnirun.weights import apply_update, load_weights, read_weight, refuse_unless_agreed, update_problem
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +83,8 @@ class ModelRunner:
         self.platform.manual_seed(config.seed)
         self._owns_process_group = False
         self._closed = False
+        # Rank 0 of a tensor-parallel group: the other ranks, which run every step and collective call too.
+        self.workers: WorkerLink | None = None
 
         # Everything that can be checked from the config alone is checked before the weights load (minutes for a
         # large model): a typo must not cost a load.
@@ -82,6 +95,7 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
         self.max_running_requests = config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self._attention_choice = self._choose_attention()
+        tp_layout(self.shape, config.tp_size, 0)  # heads and MLP split over --tp-size, or a one-line error now
         if config.max_total_tokens is not None and config.max_total_tokens < self.context_length:
             raise KVPoolTooSmallError(
                 f"--max-total-tokens {config.max_total_tokens} cannot hold one request of the context length "
@@ -92,7 +106,8 @@ class ModelRunner:
         gc.collect()
         _open_runners.add(self)
         try:
-            self._init_distributed()
+            self.tp = self._init_distributed()
+            self.layout = tp_layout(self.shape, self.tp.size, self.tp.rank)
             self.model = self._load_model()
             # The graph runner exists before the KV pool so that its memory is taken out of the pool's budget; it
             # captures once the pool and the attention backend exist (the graphs read both).
@@ -107,9 +122,24 @@ class ModelRunner:
             raise
 
     # --- start-up ---
-    def _init_distributed(self) -> None:
-        """Join a process group on the platform's backend (world size 1 here; a launcher may have joined one)."""
-        if dist.is_available() and not dist.is_initialized():
+    def _init_distributed(self) -> TensorParallel:
+        """The tensor-parallel group: the world a launcher joined (every rank of it, one model split over them), or a
+        world of one joined here for a single device."""
+        tp_size = self.config.tp_size
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+            if world != tp_size:
+                raise DistributedInitError(
+                    f"this process joined a world of {world} rank(s) but --tp-size is {tp_size}: ask for "
+                    f"--tp-size {world}, or launch {tp_size} ranks"
+                )
+        elif tp_size > 1:
+            raise DistributedInitError(
+                f"a ModelRunner with --tp-size {tp_size} runs on one rank of a process group that is not joined: use "
+                "LLM(..., tp_size=N) or `omnirun ... --tp-size N` (they start the workers), or join first with "
+                "omnirun.distributed.init_distributed on every rank"
+            )
+        elif dist.is_available():
             init_process_group(
                 self.platform,
                 rank=0,
@@ -120,22 +150,40 @@ class ModelRunner:
             self._owns_process_group = True
             # Leave it at close(), or at exit: NCCL otherwise warns on every run that it was never destroyed.
             _leave_process_group_at_exit()
+        if not (dist.is_available() and dist.is_initialized()):
+            return TensorParallel.single()
+        return TensorParallel(dist.get_rank(), dist.get_world_size(), self.platform.make_communicator(None))
 
     def _load_model(self) -> DecoderForCausalLM:
         ops = resolve_ops(self.platform.fused_ops())
         with torch.device(self.device):
             model = DecoderForCausalLM(
-                self.shape, self.model_config, max_positions=self.context_length, ops=ops, dtype=self.dtype
+                self.shape,
+                self.model_config,
+                max_positions=self.context_length,
+                ops=ops,
+                dtype=self.dtype,
+                tp=self.tp,
+                layout=self.layout,
             )
         with torch.no_grad():
             if self.config.load_format == "dummy":
-                init_dummy_weights(model, self.config.seed)
+                init_dummy_weights(model, self.config.seed)  # drawn whole per checkpoint tensor, then this rank's part
             else:
+                # Lazy: each rank reads only its own slice of every tensor from the files.
                 checkpoint = SafetensorsCheckpoint(self.config.model)
-                load_weights(model, checkpoint.iter_tensors(progress=self.config.progress))
+                progress = self.config.progress and self.tp.is_first
+                load_weights(model, checkpoint.iter_tensors(progress=progress, lazy=True))
             model.prepare_weights()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        logger.info("loaded %s (%s, %.2f GiB of weights)", self.config.model, self.dtype, weight_bytes / 2**30)
+        logger.info(
+            "loaded %s (%s, %.2f GiB of weights on tp rank %d of %d)",
+            self.config.model,
+            self.dtype,
+            weight_bytes / 2**30,
+            self.tp.rank,
+            self.tp.size,
+        )
         return model.eval()
 
     def _init_kv_memory(self) -> KVMemory:
@@ -149,11 +197,15 @@ class ModelRunner:
         except KVPoolTooSmallError as exc:
             others = [r for r in _open_runners if r is not self and r.platform is self.platform]
             if others:
-                raise KVPoolTooSmallError(
+                error = KVPoolTooSmallError(
                     f"{exc}; {len(others)} other runner(s) of this process still hold device memory: close() the "
                     "LLM (or ModelRunner) you no longer need, or use `with LLM(...) as llm:`"
-                ) from None
-            raise
+                )
+            else:
+                error = exc
+            self._agree_on_kv_pool(None, free, total)  # the other ranks learn that this one cannot build a pool
+            raise error from None
+        plan = self._agree_on_kv_pool(plan, free, total)
         logger.info("KV cache: %s", plan.explanation)
         page_size = plan.page_size
         return KVMemory(
@@ -162,7 +214,7 @@ class ModelRunner:
             PagedKVCache(
                 shape.num_layers,
                 (plan.num_pages + 1) * page_size,  # + the padding page 0
-                shape.num_kv_heads,
+                self.layout.num_kv_heads,
                 shape.head_dim,
                 self.kv_cache_dtype,
                 self.device,
@@ -171,21 +223,44 @@ class ModelRunner:
             page_size,
         )
 
-    def _plan_kv_pool(self, free: int, total: int) -> KVPoolPlan:
+    def _plan_kv_pool(self, free: int, total: int, max_total_tokens: int | None = None) -> KVPoolPlan:
         shape = self.shape
         return plan_kv_pool(
             free_bytes=free,
             total_bytes=total,
             mem_fraction_static=self.config.mem_fraction_static or self.platform.default_mem_fraction_static,
             bytes_per_token=PagedKVCache.bytes_per_token(
-                shape.num_layers, shape.num_kv_heads, shape.head_dim, self.kv_cache_dtype
+                shape.num_layers, self.layout.num_kv_heads, shape.head_dim, self.kv_cache_dtype
             ),
             page_size=self.config.page_size,
             context_length=self.context_length,
             max_running_requests=self.max_running_requests,
-            max_total_tokens=self.config.max_total_tokens,
+            max_total_tokens=max_total_tokens or self.config.max_total_tokens,
             reserved_bytes=self.graph_runner.reserved_bytes() if self.graph_runner is not None else 0,
         )
+
+    def _agree_on_kv_pool(self, plan: KVPoolPlan | None, free: int, total: int) -> KVPoolPlan:
+        """Every rank builds the same pool (the schedule on rank 0 addresses all of them): the smallest rank's.
+
+        `plan` None: this rank cannot build one; every other rank then raises too, naming it."""
+        if self.tp.size == 1:
+            return plan
+        mine = torch.tensor([plan.num_pages if plan is not None else -1], dtype=torch.int64, device=self.device)
+        pages = self.tp.comm.all_gather(mine).tolist()
+        logger.info("KV pool pages per rank: %s", ", ".join(f"rank {r}: {n}" for r, n in enumerate(pages)))
+        failed = [rank for rank, n in enumerate(pages) if n < 0]
+        if plan is None:
+            return None
+        if failed:
+            raise KVPoolTooSmallError(
+                f"rank(s) {', '.join(map(str, failed))} have no room for a KV pool (their own error says why): free "
+                "memory on their devices or lower --mem-fraction-static there"
+            )
+        smallest = min(pages)
+        if smallest == plan.num_pages:
+            return plan
+        capped = self._plan_kv_pool(free, total, max_total_tokens=smallest * plan.page_size)
+        return dataclasses.replace(capped, explanation=f"{capped.explanation} (the smallest rank's: {smallest} pages)")
 
     def _choose_attention(self) -> tuple[str, str]:
         """The (prefill, decode) attention backends: the user's choice where the platform offers it."""
@@ -206,8 +281,8 @@ class ModelRunner:
             kv=self.kv,
             device=self.device,
             model_dtype=self.dtype,
-            num_heads=self.shape.num_heads,
-            num_kv_heads=self.shape.num_kv_heads,
+            num_heads=self.layout.num_heads,
+            num_kv_heads=self.layout.num_kv_heads,
             head_dim=self.shape.head_dim,
             max_context_len=self.context_length,
         )
@@ -227,6 +302,29 @@ class ModelRunner:
             raise RuntimeError("this ModelRunner was closed: create a new one")
         if batch.mode is ForwardMode.IDLE:
             return torch.empty(0, self.shape.vocab_size, dtype=self.dtype, device=self.device)
+        if self.workers is None:
+            return self._forward_on_every_rank(batch)
+        if batch.host is None:
+            raise ValueError("a tensor-parallel step needs a batch from build_batch (its host copy goes to the ranks)")
+        with self.workers.guard():
+            self.workers.send("step", dataclasses.replace(batch.host, input_ids_pending=batch.input_ids_pending))
+            return self._forward_on_every_rank(batch)
+
+    @torch.inference_mode()
+    def run_step(self, host: HostBatch) -> None:
+        """Another rank's part of the step rank 0 sent: the same batch, its request-to-token entries, the forward
+        pass (the logits are rank 0's to sample)."""
+        batch = host.to_device(self.device)
+        # Rank 0 wrote these entries when it allocated the slots (KVMemory.alloc_tokens); the pages are the same here.
+        rows = batch.req_pool_indices.repeat_interleave(
+            batch.extend_seq_lens_cpu.to(self.device), output_size=batch.num_tokens
+        )
+        self.kv.req_to_token.table[rows, batch.positions] = batch.out_cache_loc.to(torch.int32)
+        self._forward_on_every_rank(batch)
+
+    def _forward_on_every_rank(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.input_ids_pending and self.tp.size > 1:
+            self.tp.comm.broadcast(batch.input_ids)  # rank 0 filled them on its device; the others receive them
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         return self.forward_eager(batch)
@@ -266,40 +364,60 @@ class ModelRunner:
         The checkpoint is checked (readable headers, known names, shapes, completeness) before any parameter is
         touched; a failure while copying restores every parameter bit for bit. The KV cache then holds keys and
         values of the old weights: the caller flushes it (finishes or recomputes running requests).
+
+        Under tensor parallelism every rank calls this with the same path and reads only its slices; a refusal or a
+        failure on any rank is raised on every rank, and a failure rolls every rank back.
         """
         try:
             checkpoint = SafetensorsCheckpoint(model_path)
             specs = checkpoint.tensor_specs()
+            problem = update_problem(
+                self.model,
+                {name: spec.shape for name, spec in specs.items()},
+                complete=True,
+                dtypes={name: spec.dtype for name, spec in specs.items()},
+            )
         except ModelLoadError as exc:
-            raise WeightUpdateError(f"weight update refused, nothing changed: {exc}") from None
-        check_update(self.model, {name: spec.shape for name, spec in specs.items()}, complete=True)
+            problem = str(exc)
+        refuse_unless_agreed(self.tp.comm, problem)
         with torch.no_grad():
             try:
-                count = apply_update(self.model, checkpoint.iter_tensors(progress=self.config.progress))
+                progress = self.config.progress and self.tp.is_first
+                count = apply_update(self.model, checkpoint.iter_tensors(progress=progress, lazy=True), self.tp.comm)
             finally:  # changed or restored, the weights need their platform form again
                 self.model.prepare_weights()
         self.platform.synchronize()
         logger.info("updated %d weight tensors from %s", count, model_path)
 
     def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Overwrite some weights by HF name; all are checked first, and a failure rolls every one back."""
+        """Overwrite some weights by HF name; all are checked first, and a failure rolls every one back.
+
+        Under tensor parallelism every rank calls this with the same FULL tensors (HF shapes) and keeps its part."""
         named_tensors = list(named_tensors)
-        check_update(self.model, {name: tuple(t.shape) for name, t in named_tensors}, complete=False)
+        problem = update_problem(
+            self.model,
+            {name: tuple(t.shape) for name, t in named_tensors},
+            complete=False,
+            dtypes={name: t.dtype for name, t in named_tensors},
+        )
+        refuse_unless_agreed(self.tp.comm, problem)
         with torch.no_grad():
             try:
-                apply_update(self.model, named_tensors)
+                apply_update(self.model, named_tensors, self.tp.comm)
             finally:
                 self.model.prepare_weights()
         self.platform.synchronize()
 
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
-        """A copy of one weight by its HF checkpoint name, optionally only its first `truncate_size` rows."""
-        weight = read_weight(self.model, name)
+        """A copy of one weight by its HF checkpoint name, optionally only its first `truncate_size` rows; whole
+        under tensor parallelism (gathered from every rank: every rank must call it with the same name)."""
+        weight = read_weight(self.model, name, self.tp.comm)
         return weight if truncate_size is None else weight[:truncate_size]
 
     def weight_bytes_per_step(self) -> int:
-        """Weight bytes one decode step must read: every parameter, except an untied embedding table (a lookup reads
-        only the batch's rows; tied, the same table is read whole as the LM head)."""
+        """Weight bytes one decode step must read on this rank (its share under tensor parallelism): every parameter,
+        except an untied embedding table (a lookup reads only the batch's rows; tied, the same table is read whole
+        as the LM head)."""
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if not self.model.lm_head.tied:
             embedding = self.model.model.embed_tokens.weight
@@ -313,6 +431,8 @@ class ModelRunner:
             return
         self._closed = True
         _open_runners.discard(self)
+        if self.workers is not None:
+            self.workers.shutdown()  # each rank closes its own runner
         try:
             self.platform.synchronize()
         finally:
@@ -342,6 +462,69 @@ class ModelRunner:
             "attention": self.attention.name,
             "graph_runner": type(self.graph_runner).__name__ if self.graph_runner else "eager",
         }
+
+    # --- weights from a trainer (RLHF): a process group shared with it, the trainer's rank 0 broadcasting ---
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str | None = None,
+        timeout_s: float = DEFAULT_WEIGHTS_GROUP_TIMEOUT_S,
+    ) -> None:
+        """Join the trainer's group `group_name` (world_size members, the trainer's rank 0 among them) as rank
+        rank_offset + this tp rank; every rank calls it. `backend` defaults to the platform's collective backend."""
+        groups = self._weights_groups()
+        if group_name in groups:
+            raise WeightUpdateError(f"weights update group {group_name!r} is already joined: destroy it first")
+        groups[group_name] = join_weights_group(
+            host=master_address,
+            port=int(master_port),
+            rank=rank_offset + self.tp.rank,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend or self.platform.distributed_backend,
+            timeout_s=timeout_s,
+        )
+        logger.info("joined weights update group %r at %s:%s", group_name, master_address, master_port)
+
+    def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence, shapes: Sequence, group_name: str
+    ) -> None:
+        """Receive each named FULL tensor by broadcast from the trainer's rank 0, then update as
+        update_weights_from_tensor does (checked before any parameter changes; a failure rolls every rank back).
+
+        Every rank calls it with the same metadata. Every tensor is received even when the update is then refused,
+        so the group stays in step with the trainer; metadata that cannot be received (bad dtype or shape) is
+        refused before anything is received."""
+        group = self._weights_group(group_name)
+        incoming = parse_incoming(names, dtypes, shapes)
+        received = receive_broadcast(group, incoming, self.device)
+        self.update_weights_from_tensor(received)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the trainer's group `group_name` (every rank calls it)."""
+        leave_weights_group(self._weight_group_pop(group_name))
+
+    def _weights_groups(self) -> dict[str, Any]:
+        # Created on first use: a runner that never meets a trainer holds nothing.
+        return self.__dict__.setdefault("_weight_update_groups", {})
+
+    def _weights_group(self, group_name: str) -> Any:
+        groups = self._weights_groups()
+        if group_name not in groups:
+            known = ", ".join(repr(n) for n in groups) or "none"
+            raise WeightUpdateError(
+                f"no weights update group named {group_name!r} (joined: {known}): call init_weights_update_group first"
+            )
+        return groups[group_name]
+
+    def _weight_group_pop(self, group_name: str) -> Any:
+        group = self._weights_group(group_name)
+        del self._weights_groups()[group_name]
+        return group
 
 
 def _leave_process_group() -> None:
