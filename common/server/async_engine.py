@@ -2,9 +2,9 @@
 
 No second loop: the EngineLoop's thread steps the engine as it does for `LLM.generate`; an AsyncChannel is a
 channel it can put on (like the thread-safe queue LLM callers wait on) that hands each item to the asyncio event
-loop through a Mailbox (one `call_soon_threadsafe` per batch of items, not one per item). The requests of one HTTP call (its prompts x n choices) share one channel and
-form a RequestGroup; leaving the group early (a client that went away, an error) aborts the unfinished ones,
-whose pages the engine frees at its next step.
+loop through a Mailbox (one `call_soon_threadsafe` per batch of items, not one per item). The requests of one
+HTTP call (its prompts x n choices) share one channel and form a RequestGroup; leaving the group early (a client
+that went away, an error) aborts the unfinished ones, whose pages the engine frees at its next step.
 """
 
 from __future__ import annotations
