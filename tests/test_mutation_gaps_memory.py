@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-from omnirun.errors import ConfigError
-from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
+from omnirun.errors import ConfigError, KVPoolTooSmallError
+from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool, plan_kv_pool
 from omnirun.memory.kv_cache import _is_one_byte_float
 
 CPU = torch.device("cpu")
@@ -212,3 +212,52 @@ def test_the_buffers_live_on_the_device_asked_for():
     assert cache.device == torch.device("meta")
     assert all(buf.device.type == "meta" for buf in cache.k_buffers + cache.v_buffers)
     assert ReqToTokenPool(2, 4, "meta").table.device.type == "meta"
+
+
+def _plan(free_bytes: int, **overrides):
+    # 1 byte a token, pages of 1, the request table 1 x 100 x 4 = 400 bytes: `free_bytes - 400` tokens fit, one
+    # of them the padding page
+    args = dict(
+        free_bytes=free_bytes,
+        total_bytes=1000,
+        mem_fraction_static=1.0,
+        bytes_per_token=1,
+        page_size=1,
+        context_length=100,
+        max_running_requests=1,
+        reserved_bytes=0,
+    )
+    return plan_kv_pool(**{**args, **overrides})
+
+
+def test_the_explanation_of_an_uncapped_pool_ends_with_the_pool():
+    plan = _plan(400 + 201)
+    assert plan.num_tokens == 200
+    assert plan.explanation.endswith(
+        "1 B/token -> 201 tokens = 200 pages of 1 + 1 padding page; pool 200 tokens in 200 pages"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cap", "suggests_the_cap"),
+    [
+        (40, True),  # the cap is what keeps the pool small: raising it helps
+        (50, False),  # the cap is exactly what fits: raising it does not
+        (80, False),  # the cap does not fit anyway
+    ],
+)
+def test_a_pool_too_small_suggests_raising_the_cap_only_when_the_cap_is_what_limits_it(cap, suggests_the_cap):
+    with pytest.raises(KVPoolTooSmallError) as excinfo:
+        _plan(400 + 51, max_total_tokens=cap)  # 50 pages fit, fewer than the context length of 100
+    message = str(excinfo.value)
+    assert ("raise --max-total-tokens" in message) is suggests_the_cap
+    assert "raise --mem-fraction-static (now 1), lower --context-length" in message
+
+
+def test_an_impossible_memory_probe_says_what_a_platform_must_return():
+    with pytest.raises(ConfigError) as excinfo:
+        _plan(2000)  # free > total
+    assert str(excinfo.value) == (
+        "device memory probe gave free=2000 total=1000 bytes: the platform's memory_info() must return "
+        "0 <= free <= total, total > 0"
+    )

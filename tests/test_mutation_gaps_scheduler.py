@@ -109,3 +109,20 @@ def test_headroom_is_one_decode_token_per_decoding_request_not_per_midway_prompt
     assert [r.request_id for r in step.requests] == [0, 1] and step.batch.num_tokens == 6
     step = _step(s)
     assert step.batch.mode is ForwardMode.DECODE and len(step.requests) == 2 and s.num_preemptions == 0
+
+
+def test_batches_are_built_on_the_schedulers_device():
+    """On the meta device (any host), so that a batch left on the default device shows."""
+    s = Scheduler(
+        _scheduler(20, 1).kv,
+        torch.device("meta"),
+        max_running_requests=4,
+        max_prefill_tokens=64,
+        chunked_prefill_size=64,
+        context_length=CONTEXT,
+    )
+    s.add(Request(0, [1, 2, 3], SamplingParams(max_new_tokens=4)))
+    step = _step(s)
+    assert step.batch.mode is ForwardMode.EXTEND and step.batch.input_ids.device.type == "meta"
+    step = _step(s)
+    assert step.batch.mode is ForwardMode.DECODE and step.batch.input_ids.device.type == "meta"
