@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from omnirun.attention.backend import AttentionLayerSpec
 from omnirun.layers import native_ops
 from omnirun.layers.attention import PagedAttention
+from omnirun.layers.norm import RMSNorm
+from omnirun.layers.ops import Ops, resolve_ops
 
 
 def test_the_attention_layer_prints_its_shape_and_window():
@@ -34,3 +37,17 @@ def test_silu_and_mul_halves_the_last_dimension_of_any_shape():
     x = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(1))
     expected = torch.nn.functional.silu(x[..., :5]) * x[..., 5:]
     assert torch.equal(native_ops.silu_and_mul(x), expected)
+
+
+def test_a_norm_weight_is_an_inference_parameter_of_the_model_dtype():
+    norm = RMSNorm(8, 1e-5, ops=Ops(), dtype=torch.bfloat16)
+    assert norm.weight.shape == (8,) and norm.weight.dtype == torch.bfloat16
+    assert norm.weight.requires_grad is False and norm.eps == 1e-5
+
+
+def test_a_platform_offering_linear_without_its_prepare_is_told_why():
+    with pytest.raises(ValueError) as excinfo:
+        resolve_ops({"linear": native_ops.linear})
+    assert str(excinfo.value) == (
+        "a platform offering `linear` must offer `prepare_linear` too (they agree on a format)"
+    )

@@ -261,3 +261,26 @@ def test_an_impossible_memory_probe_says_what_a_platform_must_return():
         "device memory probe gave free=2000 total=1000 bytes: the platform's memory_info() must return "
         "0 <= free <= total, total > 0"
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.complex64])
+def test_page_ids_of_a_non_integer_dtype_are_refused(dtype):
+    allocator = PageAllocator(num_pages=4, page_size=1)
+    allocator.alloc(2)
+    with pytest.raises(ValueError, match=f"page ids must be integers, got a {dtype} tensor"):
+        allocator.free(torch.ones(1, dtype=dtype))  # True / 1.0 would otherwise free page 1
+    assert allocator.free_count == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: PageAllocator(-1, 1), "num_pages must be >= 0, got -1"),
+        (lambda: PageAllocator(4, 0), "page_size must be >= 1, got 0"),
+        (lambda: PageAllocator(4, 1).alloc(-2), "cannot allocate a negative number of pages (-2)"),
+    ],
+)
+def test_page_allocator_refusals_name_the_value(call, message):
+    with pytest.raises(ValueError) as excinfo:
+        call()
+    assert str(excinfo.value) == message
