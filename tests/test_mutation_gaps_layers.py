@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from omnirun.layers import native_ops
 from omnirun.layers.attention import PagedAttention
 from omnirun.layers.norm import RMSNorm
 from omnirun.layers.ops import Ops, resolve_ops
+from omnirun.layers.rotary import RotaryEmbedding, rope_inverse_frequencies
 
 
 def test_the_attention_layer_prints_its_shape_and_window():
@@ -51,3 +54,26 @@ def test_a_platform_offering_linear_without_its_prepare_is_told_why():
     assert str(excinfo.value) == (
         "a platform offering `linear` must offer `prepare_linear` too (they agree on a format)"
     )
+
+
+@pytest.mark.parametrize(
+    ("config", "theta"),
+    [
+        (SimpleNamespace(), 10000.0),  # no rope_parameters at all: the default rope, theta 10000
+        (SimpleNamespace(rope_parameters={"rope_theta": 500000.0}), 500000.0),  # no rope_type: the default rope
+    ],
+)
+def test_default_rope_frequencies_when_the_config_names_no_rope_type(config, theta):
+    inv_freq, scaling = rope_inverse_frequencies(config, 8)
+    # 1 / theta^(2i / head_dim) for i = 0..3 (the RoPE paper's frequencies)
+    expected = torch.tensor([1.0, theta**-0.25, theta**-0.5, theta**-0.75], dtype=torch.float32)
+    assert torch.allclose(inv_freq, expected, rtol=1e-6) and scaling == 1.0
+
+
+def test_the_rotary_table_is_built_on_the_models_device_and_is_not_a_checkpoint_tensor():
+    config = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    rope = RotaryEmbedding(config, head_dim=8, max_positions=16, ops=Ops())
+    assert rope.cos_sin_cache.shape == (16, 8)
+    assert "cos_sin_cache" not in rope.state_dict()  # recomputed, never loaded or saved
+    with torch.device("meta"):  # the model is built under its device
+        assert RotaryEmbedding(config, 8, 16, ops=Ops()).cos_sin_cache.device.type == "meta"
