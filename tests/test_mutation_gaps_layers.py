@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omnirun.attention.backend import AttentionLayerSpec
+from omnirun.errors import UnsupportedModelError
 from omnirun.layers import native_ops
 from omnirun.layers.attention import PagedAttention
 from omnirun.layers.norm import RMSNorm
@@ -77,3 +78,17 @@ def test_the_rotary_table_is_built_on_the_models_device_and_is_not_a_checkpoint_
     assert "cos_sin_cache" not in rope.state_dict()  # recomputed, never loaded or saved
     with torch.device("meta"):  # the model is built under its device
         assert RotaryEmbedding(config, 8, 16, ops=Ops()).cos_sin_cache.device.type == "meta"
+
+
+def test_the_frequencies_are_computed_on_the_host_whatever_the_default_device():
+    with torch.device("meta"):  # as when the model is built on its device
+        inv_freq, _ = rope_inverse_frequencies(SimpleNamespace(), 8)
+    assert inv_freq.device.type == "cpu"
+    assert torch.allclose(inv_freq, torch.tensor([1.0, 0.1, 0.01, 0.001]), rtol=1e-6)  # theta 10000, head_dim 8
+
+
+def test_partial_rotary_embeddings_are_refused_by_name():
+    with pytest.raises(UnsupportedModelError) as excinfo:
+        rope_inverse_frequencies(SimpleNamespace(partial_rotary_factor=0.5), 8)
+    assert str(excinfo.value) == "partial rotary embeddings (partial_rotary_factor != 1) are not supported yet"
+    rope_inverse_frequencies(SimpleNamespace(partial_rotary_factor=1.0), 8)  # 1 is the whole head: fine
