@@ -1,7 +1,8 @@
 """ModelRunner: one model on one device, from a directory of weights to sampled tokens.
 
 Start-up runs in this order, each step reading what the previous one settled:
-    init distributed -> load the model -> KV dtype -> graph runner (the platform's, or none: eager)
+    tensor-parallel group (a launcher's, or none) -> load the model -> KV dtype
+    -> graph runner (the platform's, or none: eager)
     -> KV memory pool (sized from the memory left after loading, minus what the graphs will take)
     -> attention backends -> graph capture
 Then the scheduler calls `forward(batch)` and `sample(logits, ...)` once per step. The runner never asks which
@@ -10,14 +11,12 @@ device it is on: it reads the platform's capabilities and asks the platform for 
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import gc
 import logging
-import socket
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +27,6 @@ from omnirun.attention.registry import attention_factories, choose_backend
 from omnirun.batch import ForwardBatch, ForwardMode, HostBatch
 from omnirun.config import RunnerConfig
 from omnirun.distributed.link import WorkerLink
-from omnirun.distributed.process_group import init_process_group
 from omnirun.distributed.tensor_parallel import TensorParallel
 from omnirun.distributed.weights_group import (
     DEFAULT_WEIGHTS_GROUP_TIMEOUT_S,
@@ -68,6 +66,29 @@ logger = logging.getLogger(__name__)
 # Rows of the request-to-token table when --max-running-requests is not given.
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 
+
+def _on_every_rank(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A collective method: on rank 0 of a tensor-parallel group it is first sent to the other ranks (with host
+    copies of its tensors), which run it too. Each rank's part agrees with the others' inside the method."""
+
+    @functools.wraps(method)
+    def on_every_rank(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
+        # Not sent again from inside another such method: the other ranks make that inner call themselves.
+        if self.workers is None or self._sending_call:
+            return method(self, *args, **kwargs)
+        # Iterators are read once here, so that this rank and the others see the same items.
+        args = tuple(list(a) if isinstance(a, Iterator) else a for a in args)
+        self._sending_call = True
+        try:
+            with self.workers.guard():
+                self.workers.call(method.__name__, args, kwargs)
+                return method(self, *args, **kwargs)
+        finally:
+            self._sending_call = False
+
+    return on_every_rank
+
+
 # Runners of this process that hold device memory (until close()): named when a new one finds too little left.
 _open_runners: weakref.WeakSet[ModelRunner] = weakref.WeakSet()
 
@@ -85,6 +106,9 @@ class ModelRunner:
         self._closed = False
         # Rank 0 of a tensor-parallel group: the other ranks, which run every step and collective call too.
         self.workers: WorkerLink | None = None
+        self._sending_call = False  # inside a method run on every rank (see _on_every_rank)
+        # Process groups shared with a trainer (RLHF weight updates), by name.
+        self._weights_groups: dict[str, Any] = {}
 
         # Everything that can be checked from the config alone is checked before the weights load (minutes for a
         # large model): a typo must not cost a load.
@@ -123,36 +147,24 @@ class ModelRunner:
 
     # --- start-up ---
     def _init_distributed(self) -> TensorParallel:
-        """The tensor-parallel group: the world a launcher joined (every rank of it, one model split over them), or a
-        world of one joined here for a single device."""
+        """The tensor-parallel group: the world a launcher joined (every rank of it holds a part of the model), or
+        none for a single device (a world of one needs no process group: its collectives are no-ops)."""
         tp_size = self.config.tp_size
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
-            if world != tp_size:
-                raise DistributedInitError(
-                    f"this process joined a world of {world} rank(s) but --tp-size is {tp_size}: ask for "
-                    f"--tp-size {world}, or launch {tp_size} ranks"
-                )
-        elif tp_size > 1:
-            raise DistributedInitError(
-                f"a ModelRunner with --tp-size {tp_size} runs on one rank of a process group that is not joined: use "
-                "LLM(..., tp_size=N) or `omnirun ... --tp-size N` (they start the workers), or join first with "
-                "omnirun.distributed.init_distributed on every rank"
-            )
-        elif dist.is_available():
-            init_process_group(
-                self.platform,
-                rank=0,
-                world_size=1,
-                local_rank=self.config.device_index,
-                init_method=f"tcp://127.0.0.1:{_free_port()}",
-            )
-            self._owns_process_group = True
-            # Leave it at close(), or at exit: NCCL otherwise warns on every run that it was never destroyed.
-            _leave_process_group_at_exit()
         if not (dist.is_available() and dist.is_initialized()):
+            if tp_size > 1:
+                raise DistributedInitError(
+                    f"a ModelRunner with --tp-size {tp_size} runs on one rank of a process group that is not joined: "
+                    "use LLM(..., tp_size=N) or `omnirun ... --tp-size N` (they start the ranks), or "
+                    "omnirun.launch.start_runner"
+                )
             return TensorParallel.single()
-        return TensorParallel(dist.get_rank(), dist.get_world_size(), self.platform.make_communicator(None))
+        world = dist.get_world_size()
+        if world != tp_size:
+            raise DistributedInitError(
+                f"this process joined a world of {world} rank(s) but --tp-size is {tp_size}: ask for --tp-size "
+                f"{world}, or launch {tp_size} ranks (close the tensor-parallel LLM of this process first)"
+            )
+        return TensorParallel(dist.get_rank(), world, self.platform.make_communicator(None))
 
     def _load_model(self) -> DecoderForCausalLM:
         ops = resolve_ops(self.platform.fused_ops())
@@ -320,6 +332,9 @@ class ModelRunner:
             batch.extend_seq_lens_cpu.to(self.device), output_size=batch.num_tokens
         )
         self.kv.req_to_token.table[rows, batch.positions] = batch.out_cache_loc.to(torch.int32)
+        if host.prefix_entries is not None:  # pages the prefix cache shared into rows (KVMemory.share_prefix)
+            rows, positions, slots = host.prefix_entries.to(self.device).unbind()
+            self.kv.req_to_token.table[rows, positions] = slots.to(torch.int32)
         self._forward_on_every_rank(batch)
 
     def _forward_on_every_rank(self, batch: ForwardBatch) -> torch.Tensor:
@@ -358,6 +373,7 @@ class ModelRunner:
         return self.sampler(logits, batch)
 
     # --- weights ---
+    @_on_every_rank
     def update_weights_from_disk(self, model_path: str) -> None:
         """Replace every weight with those of another checkpoint of the same architecture and shapes.
 
@@ -389,6 +405,7 @@ class ModelRunner:
         self.platform.synchronize()
         logger.info("updated %d weight tensors from %s", count, model_path)
 
+    @_on_every_rank
     def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Overwrite some weights by HF name; all are checked first, and a failure rolls every one back.
 
@@ -408,6 +425,7 @@ class ModelRunner:
                 self.model.prepare_weights()
         self.platform.synchronize()
 
+    @_on_every_rank
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
         """A copy of one weight by its HF checkpoint name, optionally only its first `truncate_size` rows; whole
         under tensor parallelism (gathered from every rank: every rank must call it with the same name)."""
@@ -433,6 +451,9 @@ class ModelRunner:
         _open_runners.discard(self)
         if self.workers is not None:
             self.workers.shutdown()  # each rank closes its own runner
+        for group in self._weights_groups.values():
+            leave_weights_group(group)
+        self._weights_groups.clear()
         try:
             self.platform.synchronize()
         finally:
@@ -442,9 +463,9 @@ class ModelRunner:
                     setattr(self, name, None)
             gc.collect()  # the runner, its graph runner and backends refer to each other
             self.platform.empty_cache()
-            if self._owns_process_group:
-                _leave_process_group()
-                self._owns_process_group = False
+            if self._owns_process_group and dist.is_initialized():
+                dist.destroy_process_group()
+            self._owns_process_group = False
 
     @property
     def closed(self) -> bool:
@@ -464,6 +485,7 @@ class ModelRunner:
         }
 
     # --- weights from a trainer (RLHF): a process group shared with it, the trainer's rank 0 broadcasting ---
+    @_on_every_rank
     def init_weights_update_group(
         self,
         master_address: str,
@@ -476,7 +498,7 @@ class ModelRunner:
     ) -> None:
         """Join the trainer's group `group_name` (world_size members, the trainer's rank 0 among them) as rank
         rank_offset + this tp rank; every rank calls it. `backend` defaults to the platform's collective backend."""
-        groups = self._weights_groups()
+        groups = self._weights_groups
         if group_name in groups:
             raise WeightUpdateError(f"weights update group {group_name!r} is already joined: destroy it first")
         groups[group_name] = join_weights_group(
@@ -490,6 +512,7 @@ class ModelRunner:
         )
         logger.info("joined weights update group %r at %s:%s", group_name, master_address, master_port)
 
+    @_on_every_rank
     def update_weights_from_distributed(
         self, names: Sequence[str], dtypes: Sequence, shapes: Sequence, group_name: str
     ) -> None:
@@ -504,40 +527,17 @@ class ModelRunner:
         received = receive_broadcast(group, incoming, self.device)
         self.update_weights_from_tensor(received)
 
+    @_on_every_rank
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave the trainer's group `group_name` (every rank calls it)."""
-        leave_weights_group(self._weight_group_pop(group_name))
-
-    def _weights_groups(self) -> dict[str, Any]:
-        # Created on first use: a runner that never meets a trainer holds nothing.
-        return self.__dict__.setdefault("_weight_update_groups", {})
+        leave_weights_group(self._weights_group(group_name))
+        del self._weights_groups[group_name]
 
     def _weights_group(self, group_name: str) -> Any:
-        groups = self._weights_groups()
+        groups = self._weights_groups
         if group_name not in groups:
             known = ", ".join(repr(n) for n in groups) or "none"
             raise WeightUpdateError(
                 f"no weights update group named {group_name!r} (joined: {known}): call init_weights_update_group first"
             )
         return groups[group_name]
-
-    def _weight_group_pop(self, group_name: str) -> Any:
-        group = self._weights_group(group_name)
-        del self._weights_groups()[group_name]
-        return group
-
-
-def _leave_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@functools.cache
-def _leave_process_group_at_exit() -> None:
-    atexit.register(_leave_process_group)  # once per process, however many runners come and go
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -126,7 +126,7 @@ def _exercise(comm: Communicator) -> None:
 
 
 def test_world_of_one_makes_no_torch_distributed_call_in_a_joined_group(monkeypatch):
-    # The runner's case: it joins a group of one at start-up; the communicator must then be free.
+    # A launcher's world of one (e.g. torchrun --nproc-per-node 1): the communicator must then be free.
     platform = get_platform("cpu")
     joined_here = not dist.is_initialized()
     if joined_here:

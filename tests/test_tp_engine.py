@@ -14,13 +14,14 @@ import sys
 import time
 
 import pytest
+import torch
 
 from omnirun.assets.default_model import default_model_dir
 from omnirun.config import RunnerConfig
 from omnirun.distributed.world import TORCHRUN_VARS, free_port
 from omnirun.engine import LLM
 from omnirun.engine.engine import Engine
-from omnirun.errors import EngineStepError, WorkerError
+from omnirun.errors import EngineStepError, WeightUpdateError, WorkerError
 from omnirun.launch import start_runner
 from omnirun.sampling import SamplingParams
 
@@ -56,7 +57,7 @@ def test_engine_at_tp2_under_kv_pressure_gives_the_tp1_tokens(tp1_tokens):
         assert _drive(engine, PROMPTS, GREEDY) == tp1_tokens
         assert engine.scheduler.num_preemptions > 0
         usage = engine.kv_usage()
-        assert usage.pages_free == usage.pages_total and usage.pages_leaked == 0
+        assert usage.pages_free + usage.pages_cached == usage.pages_total and usage.pages_leaked == 0
     finally:
         runner.close()
     assert all(not p.is_alive() for p in runner.workers.local.processes.values())
@@ -175,3 +176,48 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited (its reaper is gone too)
     except FileNotFoundError:
         return False
+
+
+_TRAINER = """
+import os, sys, torch, torch.distributed as dist
+from omnirun.distributed.weights_group import join_weights_group
+port, path = int(sys.argv[1]), sys.argv[2]
+group = join_weights_group(host="127.0.0.1", port=port, rank=0, world_size=3, group_name="rlhf", backend="gloo",
+                           timeout_s=120)
+dist.broadcast(torch.load(path), group=group, group_src=0)
+dist.destroy_process_group(group)
+print("SENT", flush=True)
+os._exit(0)  # it hosts the group's store: leave before torch tears it down under the connected ranks
+"""
+
+
+def test_weight_calls_of_the_llm_reach_every_rank(tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"  # 2 kv heads: one on each rank
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    with LLM(MODEL, **FLAGS) as reference:
+        whole = reference.get_weights_by_name(name)
+        new = whole + 0.5 * torch.randn(whole.shape, generator=torch.Generator().manual_seed(0))
+        reference.update_weights_from_tensor([(name, new)])
+        expected = reference.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids
+    torch.save(new, tmp_path / "new.pt")
+    port = free_port()
+    with LLM(MODEL, tp_size=2, **FLAGS) as llm:
+        assert torch.equal(llm.get_weights_by_name(name), whole)  # gathered from both ranks
+        with pytest.raises(WeightUpdateError, match="shape"):  # refused on every rank; the group goes on
+            llm.update_weights_from_tensor([(name, new[:1])])
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", _TRAINER, str(port), str(tmp_path / "new.pt")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            llm.init_weights_update_group("127.0.0.1", port, 1, 3, "rlhf", "gloo")
+            llm.update_weights_from_distributed([name], [new.dtype], [list(new.shape)], "rlhf")
+            llm.destroy_weights_update_group("rlhf")
+            out, err = _finish(trainer, timeout=60)
+            assert "SENT" in out, err[-2000:]
+        finally:
+            trainer.kill()
+        assert torch.equal(llm.get_weights_by_name(name), new)
+        assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids == expected

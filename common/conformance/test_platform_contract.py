@@ -162,7 +162,7 @@ def test_peak_memory_grows_with_an_allocation_and_resets(platform):
 
 
 def test_world_size_one_all_reduce(platform):
-    if dist.is_initialized():  # a ModelRunner built earlier in this process joined its own world-size-1 group
+    if dist.is_initialized():  # a tensor-parallel runner of an earlier test that was never closed
         dist.destroy_process_group()
     init_distributed(platform, plan_world(1), timeout_s=60)
     try:
