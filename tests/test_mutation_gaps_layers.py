@@ -92,3 +92,18 @@ def test_partial_rotary_embeddings_are_refused_by_name():
         rope_inverse_frequencies(SimpleNamespace(partial_rotary_factor=0.5), 8)
     assert str(excinfo.value) == "partial rotary embeddings (partial_rotary_factor != 1) are not supported yet"
     rope_inverse_frequencies(SimpleNamespace(partial_rotary_factor=1.0), 8)  # 1 is the whole head: fine
+
+
+@pytest.mark.parametrize(
+    ("rope_type", "message"),
+    [
+        ("dynamic", "rope_type 'dynamic' is not supported: it rescales with the sequence length"),
+        ("longrope", "rope_type 'longrope' is not supported: it rescales with the sequence length"),
+        ("no_such_rope", "rope_type 'no_such_rope' is unknown to this transformers version"),
+    ],
+)
+def test_rope_types_that_cannot_be_served_are_refused_by_name(rope_type, message):
+    config = SimpleNamespace(rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(UnsupportedModelError) as excinfo:
+        rope_inverse_frequencies(config, 8)
+    assert str(excinfo.value) == message
