@@ -77,6 +77,9 @@ class HostBatch:
     extend_seq_lens_cpu: torch.Tensor
     return_full_logits: bool = False
     input_ids_pending: bool = False
+    # Table entries of prefixes shared from the prefix cache into the batch's rows ([3, n]: rows, positions, slots):
+    # rank 0 wrote them with the batch's own (KVMemory.alloc_step); the other ranks write them from here.
+    prefix_entries: torch.Tensor | None = None
 
     def to_device(self, device: torch.device) -> ForwardBatch:
         n = self.extend_seq_lens_cpu.numel()
@@ -117,9 +120,10 @@ def build_batch(
     if not rows or min(extend_lens) < 1:
         raise ValueError("a batch needs at least one request and at least one new token per request")
     ends = [start + n for start, n in zip(prefix_lens, extend_lens, strict=True)]
-    out_cache_loc = kv.alloc_tokens(rows, prefix_lens, ends)
-    if out_cache_loc is None:
+    slots = kv.alloc_step(rows, prefix_lens, ends)
+    if slots is None:
         return None
+    out_cache_loc = slots.out_cache_loc
     positions = torch.cat([torch.arange(start, end) for start, end in zip(prefix_lens, ends, strict=True)])
     flat_ids = torch.tensor([token for ids in new_token_ids for token in ids], dtype=torch.int64)
     rows_t = torch.tensor(rows, dtype=torch.int64)
@@ -132,5 +136,6 @@ def build_batch(
         extend_prefix_lens_cpu=torch.tensor(prefix_lens, dtype=torch.int32),
         extend_seq_lens_cpu=torch.tensor(extend_lens, dtype=torch.int32),
         return_full_logits=return_full_logits,
+        prefix_entries=slots.prefix_entries,
     )
     return host.to_device(device)

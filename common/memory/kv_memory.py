@@ -3,11 +3,16 @@
 The scheduler drives it: `new_request()` when a request starts, `alloc_tokens()` before each forward pass for the
 tokens the pass will write, `release()` when the request finishes. Page lists are kept on the host, so computing
 slots never reads the device; the device sees one indexed write of the request-to-token table per batch.
+
+Pages are reference-counted: a request row holds one reference on each of its pages, and an attached prefix cache
+one on each page it keeps; a page goes back to the allocator when its last holder lets go. A row may start with
+pages the cache shares (`share_prefix`); their table entries are written with the row's next batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -15,6 +20,18 @@ from omnirun.errors import ConfigError
 from omnirun.memory.kv_cache import PagedKVCache
 from omnirun.memory.page_allocator import PageAllocator
 from omnirun.memory.req_to_token import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from omnirun.memory.radix_cache import RadixCache
+
+
+class StepSlots(NamedTuple):
+    """What `alloc_step` hands a batch: the slots of its new tokens, and the table entries of prefixes shared into
+    its rows since their last batch ([3, n] int64 on the host: rows, positions, slots; None when there are none) --
+    the other ranks of a tensor-parallel group write those from the batch too."""
+
+    out_cache_loc: torch.Tensor
+    prefix_entries: torch.Tensor | None
 
 
 class KVMemory:
@@ -49,6 +66,11 @@ class KVMemory:
         # Per request row: its page ids in order (None: row not live) and how many tokens it holds.
         self._pages: list[list[int] | None] = [None] * req_to_token.max_requests
         self._num_tokens: list[int] = [0] * req_to_token.max_requests
+        # Holders of each page (rows using it, plus 1 while the prefix cache keeps it); 0: free.
+        self._refs = torch.zeros(allocator.num_pages + 1, dtype=torch.int32)
+        # Rows whose first n positions are shared pages whose table entries are not written yet: row -> n.
+        self._unwritten: dict[int, int] = {}
+        self.prefix_cache: RadixCache | None = None
 
     @property
     def page_size(self) -> int:
@@ -56,9 +78,21 @@ class KVMemory:
         return self._page_size
 
     @property
+    def free_pages(self) -> int:
+        """Pages new tokens can take: free ones, and cached ones no request uses (evicted on demand)."""
+        cache = self.prefix_cache
+        return self.allocator.free_count + (cache.evictable_pages if cache is not None else 0)
+
+    @property
     def free_tokens(self) -> int:
-        """Slots in free pages (the tail of a request's last partial page is not counted)."""
-        return self.allocator.free_tokens
+        """Slots in `free_pages` (the tail of a request's last partial page is not counted)."""
+        return self.free_pages * self._page_size
+
+    def attach_cache(self, cache: RadixCache | None) -> None:
+        """Use `cache` to keep finished requests' pages (None: none); a cache attached before is flushed."""
+        if self.prefix_cache is not None and self.prefix_cache is not cache:
+            self.prefix_cache.flush()
+        self.prefix_cache = cache
 
     @property
     def total_tokens(self) -> int:
@@ -73,6 +107,40 @@ class KVMemory:
         self._pages[row] = []
         self._num_tokens[row] = 0
         return row
+
+    def share_prefix(self, row: int, pages: Sequence[int]) -> None:
+        """Start a new row with `pages` that the prefix cache holds (its first len(pages) * page_size tokens)."""
+        if self._live_pages(row) or self._num_tokens[row]:
+            raise ValueError(f"request row {row} already holds tokens: share a prefix only into a new row")
+        if not pages:
+            return
+        self.retain(pages)
+        self._pages[row] = list(pages)
+        self._num_tokens[row] = self._unwritten[row] = len(pages) * self._page_size
+
+    def retain(self, pages: Sequence[int]) -> None:
+        """One more holder for each of `pages` (distinct pages that are in use)."""
+        index = torch.as_tensor(pages, dtype=torch.int64)
+        refs = self._refs[index]
+        if bool((refs <= 0).any()):
+            raise ValueError(f"cannot share page {int(index[refs <= 0][0])}: it is free")
+        self._refs[index] = refs + 1
+
+    def drop(self, pages: Sequence[int]) -> None:
+        """One holder fewer for each of `pages` (distinct); pages nobody holds any more are freed."""
+        index = torch.as_tensor(pages, dtype=torch.int64)
+        if index.numel() == 0:
+            return
+        refs = self._refs[index]
+        if bool((refs <= 0).any()):
+            raise ValueError(f"double free: page {int(index[refs <= 0][0])} is not held")
+        refs -= 1
+        self._refs[index] = refs
+        self.allocator.free(index[refs == 0])
+
+    def refcounts(self, pages: Sequence[int]) -> list[int]:
+        """How many holders each page has (0: free)."""
+        return self._refs[torch.as_tensor(pages, dtype=torch.int64)].tolist()
 
     def pages_of(self, row: int) -> list[int]:
         """The page ids of a live request, in position order (a copy)."""
@@ -91,14 +159,26 @@ class KVMemory:
         """Slots for positions [starts[i], ends[i]) of each request, concatenated (an int64 CPU tensor).
 
         starts[i] must be the number of tokens request i already holds. The tail of its last partial page is
-        filled first, then new pages. The slots are also written into `req_to_token.table`. All or nothing: None,
-        and nothing changed, when the free pages do not suffice.
+        filled first, then new pages (evicting unused cached pages when the free ones run short). The slots are
+        also written into `req_to_token.table`. All or nothing: None, and no request changed, when the pages do not
+        suffice.
         """
+        step = self.alloc_step(rows, starts, ends)
+        return None if step is None else step.out_cache_loc
+
+    def alloc_step(self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]) -> StepSlots | None:
+        """`alloc_tokens`, also writing (and returning) the table entries of prefixes shared into these rows."""
         rows, starts, ends = self._check_batch(rows, starts, ends)
         counts = self._new_page_counts(rows, starts, ends)
-        new_pages = self.allocator.alloc(sum(counts))
+        needed = sum(counts)
+        if needed > self.allocator.free_count:
+            if needed > self.free_pages:
+                return None
+            self.prefix_cache.evict(needed - self.allocator.free_count)
+        new_pages = self.allocator.alloc(needed)
         if new_pages is None:
             return None
+        self._refs[new_pages] = 1
         new_pages_list = new_pages.tolist()
         ps = self._page_size
         # The pages each request's new positions fall in, concatenated over the batch.
@@ -114,10 +194,13 @@ class KVMemory:
             if end > start:
                 batch_pages.extend(pages[start // ps : (end - 1) // ps + 1])
 
+        prefix = self._take_unwritten(rows) if self._unwritten else None
         lengths = torch.tensor(ends, dtype=torch.int64) - torch.tensor(starts, dtype=torch.int64)
         num_new = int(lengths.sum()) if lengths.numel() else 0
         if num_new == 0:
-            return torch.empty(0, dtype=torch.int64)
+            if prefix is not None:
+                self._write_table(prefix)
+            return StepSlots(torch.empty(0, dtype=torch.int64), prefix)
         starts_t = torch.tensor(starts, dtype=torch.int64)
         req = torch.repeat_interleave(torch.arange(len(rows)), lengths)  # request index of each new position
         offsets = torch.cumsum(lengths, 0) - lengths  # first new position of each request in the batch
@@ -125,25 +208,43 @@ class KVMemory:
         page_index = torch.tensor(first_page_index, dtype=torch.int64)[req] + positions // ps - (starts_t // ps)[req]
         slots = torch.tensor(batch_pages, dtype=torch.int64)[page_index] * ps + positions % ps
 
-        # One host-to-device copy and one indexed write for the whole batch.
+        # One host-to-device copy and one indexed write for the whole batch (shared prefixes included).
         index = torch.stack([torch.tensor(rows, dtype=torch.int64)[req], positions, slots])
+        self._write_table(index if prefix is None else torch.cat([prefix, index], 1))
+        return StepSlots(slots, prefix)
+
+    def _write_table(self, index: torch.Tensor) -> None:
         index = index.to(self.req_to_token.device, non_blocking=True)
         self.req_to_token.table[index[0], index[1]] = index[2].to(torch.int32)
-        return slots
+
+    def _take_unwritten(self, rows: list[int]) -> torch.Tensor | None:
+        """The table entries of the shared prefixes of `rows` not written yet ([3, n]), now in hand."""
+        ps, parts = self._page_size, []
+        for row in rows:
+            n = self._unwritten.pop(row, 0)
+            if n:
+                pages = torch.tensor(self._pages[row][: n // ps], dtype=torch.int64)
+                slots = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+                parts.append(torch.stack([torch.full((n,), row, dtype=torch.int64), torch.arange(n), slots]))
+        return torch.cat(parts, 1) if parts else None
 
     def release(self, row: int) -> None:
         """Free every page of a request and its row."""
         pages = self._live_pages(row)
-        self.allocator.free(pages)
+        self.drop(pages)
         self._pages[row] = None
         self._num_tokens[row] = 0
+        self._unwritten.pop(row, None)
         self.req_to_token.free(row)
 
     def release_all(self) -> None:
-        """Free every live request (after a failed step, when no request can go on)."""
+        """Free every live request and empty the prefix cache (after a failed step, when no request can go on and
+        the K/V that step wrote cannot be trusted)."""
         for row, pages in enumerate(self._pages):
             if pages is not None:
                 self.release(row)
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
 
     def _live_pages(self, row: int) -> list[int]:
         pages = self._pages[row] if 0 <= row < len(self._pages) else None
