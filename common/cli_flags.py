@@ -46,11 +46,16 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="schedule each step only after the previous one finished (default: overlap where kernels run async)",
     )
+    parser.add_argument(
+        "--disable-prefix-caching",
+        action="store_true",
+        default=None,
+        help="recompute every prompt (default: requests share the KV pages of prefixes computed before)",
+    )
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flags the user gave (unset ones are left to the defaults), as LLM keyword arguments."""
-    names = ["device", "dtype", "load_format", "disable_graph", "disable_overlap_schedule"] + [
-        f.lstrip("-").replace("-", "_") for f, _, _ in _VALUE_FLAGS
-    ]
+    flags = ["disable_graph", "disable_overlap_schedule", "disable_prefix_caching"]
+    names = ["device", "dtype", "load_format", *flags] + [f.lstrip("-").replace("-", "_") for f, _, _ in _VALUE_FLAGS]
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

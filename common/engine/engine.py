@@ -23,6 +23,7 @@ from omnirun.engine.detokenizer import IncrementalDetokenizer
 from omnirun.engine.request import FinishReason, Request
 from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
 from omnirun.errors import ConfigError
+from omnirun.memory.radix_cache import RadixCache
 from omnirun.runner import ModelRunner
 from omnirun.sampling import SamplingParams, TokenHistory
 
@@ -45,19 +46,38 @@ class _Launched:
 
 @dataclasses.dataclass(frozen=True)
 class KVUsage:
-    """The KV pool's pages: how many exist, how many are free, and which live request holds how many."""
+    """The KV pool's pages: how many exist, how many are free, which live request holds how many, and how many only
+    the prefix cache keeps (evicted when new tokens need them)."""
 
     page_size: int
     pages_total: int
     pages_free: int
-    pages_held: dict[int, int]  # request id -> pages
+    pages_held: dict[int, int]  # request id -> pages (a page shared by several requests counts for each)
     rows_free: int
     rows_total: int
+    pages_cached: int = 0  # in the prefix cache and used by no live request
+    pages_in_use: int | None = None  # distinct pages live requests hold (None: no sharing, sum of pages_held)
 
     @property
     def pages_leaked(self) -> int:
-        """Pages neither free nor held by a live request: always 0 unless something is broken."""
-        return self.pages_total - self.pages_free - sum(self.pages_held.values())
+        """Pages neither free, nor held by a live request, nor kept by the prefix cache: always 0 unless something
+        is broken."""
+        in_use = sum(self.pages_held.values()) if self.pages_in_use is None else self.pages_in_use
+        return self.pages_total - self.pages_free - self.pages_cached - in_use
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillStats:
+    """Prompt tokens over every admission (a preempted request's recompute counts again): computed, or found in
+    the prefix cache."""
+
+    computed_tokens: int
+    cached_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.computed_tokens + self.cached_tokens
+        return self.cached_tokens / total if total else 0.0
 
 
 class Engine:
@@ -70,6 +90,7 @@ class Engine:
         max_prefill_tokens: int | None = None,
         chunked_prefill_size: int | None = None,
         overlap_schedule: bool | None = None,
+        prefix_caching: bool = True,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -83,6 +104,9 @@ class Engine:
             chunked_prefill_size=min(chunked_prefill_size or max_prefill, max_prefill),
             context_length=runner.context_length,
         )
+        # Requests share the K/V pages of prefixes computed before (a cache an earlier engine left is flushed).
+        self.prefix_cache = RadixCache(runner.kv) if prefix_caching else None
+        runner.kv.attach_cache(self.prefix_cache)
         # By default overlap only where kernels run asynchronously: on a synchronous device it hides nothing and
         # costs a dropped step per stopped request.
         self.overlap = runner.capabilities.async_execution if overlap_schedule is None else overlap_schedule
@@ -183,27 +207,37 @@ class Engine:
         """Make every running request recompute its KV cache (after a weight update the cache is stale)."""
         assert self._in_flight is None, "complete the step in flight first"
         for request in reversed(self.scheduler.running):  # preempt() queues first: keep their order
-            self.scheduler.preempt(request)
+            self.scheduler.preempt(request, keep_cache=False)
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
 
     def close(self) -> None:
         """Give back the device memory: the runner's (weights, KV pool, graphs) and the engine's own. The engine
         cannot step afterwards."""
         self._in_flight = None
         self._row_tokens = None
-        self.scheduler = None  # it holds the KV pool
+        self.scheduler = self.prefix_cache = None  # they hold the KV pool
         self.runner.close()
 
     def kv_usage(self) -> KVUsage:
         kv = self.runner.kv
-        held = {r.request_id: len(kv.pages_of(r.row)) for r in self.scheduler.running}
+        pages = {r.request_id: kv.pages_of(r.row) for r in self.scheduler.running}
+        in_use = set().union(*pages.values())
+        cached = [p for p in self.prefix_cache.pages() if p not in in_use] if self.prefix_cache is not None else []
         return KVUsage(
             page_size=kv.page_size,
             pages_total=kv.allocator.num_pages,
             pages_free=kv.allocator.free_count,
-            pages_held=held,
+            pages_held={rid: len(p) for rid, p in pages.items()},
             rows_free=kv.req_to_token.free_count,
             rows_total=kv.req_to_token.max_requests,
+            pages_cached=len(cached),
+            pages_in_use=len(in_use),
         )
+
+    def prefill_stats(self) -> PrefillStats:
+        """Prompt tokens computed and found in the prefix cache since the engine started."""
+        return PrefillStats(self.scheduler.num_prefill_tokens, self.scheduler.num_cached_tokens)
 
     @property
     def has_work(self) -> bool:

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 _RUNNER_FLAGS = {field.name for field in dataclasses.fields(RunnerConfig)} - {"model"}
-_ENGINE_FLAGS = {"max_prefill_tokens", "chunked_prefill_size", "disable_overlap_schedule"}
+_ENGINE_FLAGS = {"max_prefill_tokens", "chunked_prefill_size", "disable_overlap_schedule", "disable_prefix_caching"}
 
 
 class LLM:
@@ -41,7 +41,7 @@ class LLM:
     embedded in the package (random weights: its text is nonsense). Other keyword arguments are the runner's and
     engine's flags: device, dtype, kv_cache_dtype, page_size, mem_fraction_static, max_total_tokens,
     max_running_requests, attention_backend, load_format, seed, max_prefill_tokens, chunked_prefill_size,
-    disable_overlap_schedule, ...
+    disable_overlap_schedule, disable_prefix_caching, ...
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **flags: Any):
@@ -61,6 +61,8 @@ class LLM:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {engine_flags[name]}")
         if engine_flags.pop("disable_overlap_schedule", False):
             engine_flags["overlap_schedule"] = False
+        if engine_flags.pop("disable_prefix_caching", False):
+            engine_flags["prefix_caching"] = False
         config = RunnerConfig(model=str(model), **runner_flags)  # checks the flags before anything loads
         source = tokenizer_dir(tokenizer, config.model)
         self.tokenizer = load_tokenizer(source) if source is not None else None
@@ -97,6 +99,11 @@ class LLM:
     @property
     def closed(self) -> bool:
         return not self._close.alive
+
+    @property
+    def engine_loop(self) -> EngineLoop:
+        """The thread that steps the engine: what an asynchronous front (the HTTP server) submits requests to."""
+        return self._loop
 
     def _check_open(self) -> None:
         if self.closed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from omnirun.engine.detokenizer import IncrementalDetokenizer
 from omnirun.sampling import SamplingParams
@@ -27,6 +28,11 @@ class Request:
     # Tokens sampled on the device that the host has not read yet: with overlap scheduling, the next step is
     # scheduled while the previous one runs, so a request may be one or two tokens ahead of `output_ids`.
     num_pending: int = 0
+    # Prefix cache: the tree node it locks, how many of its leading tokens the cache holds, and how many prompt
+    # tokens were found there when it first started (reported as cached tokens).
+    cache_node: Any = None
+    num_in_cache: int = 0
+    cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     # Output text kept step by step, for stop strings and streams (None: decoded once at the end, if at all).
     detokenizer: IncrementalDetokenizer | None = None
@@ -71,6 +77,7 @@ class RequestOutput:
     logprobs: list[float] | None = None  # of each output token, when SamplingParams.logprobs is set
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob) of the top-n at each step
     num_preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     ttft_s: float | None = None  # time to first token
     latency_s: float | None = None  # arrival to finish
 
@@ -86,6 +93,7 @@ class RequestOutput:
             logprobs=list(req.logprobs) if wants_logprobs else None,
             top_logprobs=[list(t) for t in req.top_logprobs] if wants_logprobs and req.params.logprobs else None,
             num_preemptions=req.num_preemptions,
+            cached_tokens=req.cached_tokens,
             ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             latency_s=None if req.finish_time is None else req.finish_time - req.arrival_time,
         )

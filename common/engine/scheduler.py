@@ -12,6 +12,12 @@ With overlap scheduling the engine schedules a step while the previous one still
 tokens sampled on the device that the host has not read (`num_pending`). Such a request decodes on (the engine
 feeds its token on the device); it is neither scheduled past its length limit nor recomputed before its pending
 tokens arrive.
+
+With a prefix cache attached to the KV memory, a new request (or a preempted one coming back) first shares the
+pages of the longest cached prefix of its tokens and computes only the rest (at least its last token, for the
+logits). The full pages of a prompt go into the cache as soon as the step computing them is launched, so requests
+that start later share them; a finished or preempted request leaves all its full pages there. Only tokens the host
+knows are cached: a pending token's K/V is computed, but its id is not known yet.
 """
 
 from __future__ import annotations
@@ -62,6 +68,11 @@ class Scheduler:
         # Requests holding KV rows, in the order they started (preemption takes from the end).
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Prefill tokens computed, and those found in the prefix cache instead, over every admission.
+        self.num_prefill_tokens = 0
+        self.num_cached_tokens = 0
+        # Running requests whose prompt pages are still being computed: they go into the cache step by step.
+        self._caching: dict[int, tuple[Request, int]] = {}  # request id -> (request, tokens to cache by then)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -72,6 +83,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next step to run, or None when there is nothing to do."""
+        if self._caching:
+            self._cache_prompts()
         while self.running or self.waiting:
             step = self._schedule_prefill() or self._schedule_decode()
             if step is not None:
@@ -93,30 +106,36 @@ class Scheduler:
         # Mid-way: more than the newest token uncached (a prompt, or a preempted request's recompute, in chunks).
         midway = [r for r in self.running if r.num_cached < r.num_tokens + r.num_pending - 1]
         decoding = len(self.running) - len(midway)
-        free_pages = self.kv.free_tokens // self.kv.page_size
+        admitted: list[Request] = []
         for req in midway + list(self.waiting):
             if budget <= 0 or req.num_pending:
                 break  # (a preempted request's last tokens are still on the device: recompute it once they arrive)
+            new = req.row is None
+            if new:
+                if len(self.running) + len(admitted) >= self.max_running_requests or not self._admit(req):
+                    break
             take = min(req.num_tokens - req.num_cached, self.chunked_prefill_size, budget)
             pages = self._pages_for([*chosen, (req, take)])
-            if req.row is None:
-                if len(self.running) + sum(r.row is None for r, _ in chosen) >= self.max_running_requests:
-                    break
-                # Admit only with room left for one decode token of everyone running afterwards, so that
-                # admitting does not force a preemption on the very next step (a request alone always goes).
-                if self.running or chosen:
-                    pages += decoding + len(chosen) + 1
-            if pages > free_pages:
+            # Admit only with room left for one decode token of everyone running afterwards, so that admitting does
+            # not force a preemption on the very next step (a request alone always goes).
+            if new and (self.running or chosen):
+                pages += decoding + len(chosen) + 1
+            if pages > self.kv.free_pages:  # (what the new request shares from the cache is no longer evictable)
+                if new:
+                    self._release(req, keep=False)
                 break
             chosen.append((req, take))
             budget -= take
+            if new:
+                admitted.append(req)
         if not chosen:
             return None
-        for req, _ in chosen:
-            if req.row is None:
-                req.row = self.kv.new_request()
-                self.waiting.remove(req)
-                self.running.append(req)
+        for req in admitted:
+            self.waiting.remove(req)
+            self.running.append(req)
+            self.num_cached_tokens += req.num_cached
+            if req.num_preemptions == 0:
+                req.cached_tokens = req.num_cached
         batch = build_batch(
             self.kv,
             [r.row for r, _ in chosen],
@@ -127,9 +146,59 @@ class Scheduler:
         assert batch is not None, "pages were counted before building the batch"
         for req, n in chosen:
             req.num_cached += n
+            self.num_prefill_tokens += n
         requests = [r for r, _ in chosen]
         sampling = [i for i, r in enumerate(requests) if r.num_cached == r.num_tokens]
         return ScheduledStep(batch, requests, sampling)
+
+    def _admit(self, req: Request) -> bool:
+        """Give a waiting request a row, starting with the pages of its longest cached prefix; False: no row."""
+        row = self.kv.new_request()
+        if row is None:
+            return False
+        req.row = row
+        cache = self.kv.prefix_cache
+        if cache is not None:
+            tokens = req.all_ids
+            pages, node = cache.match(tokens, len(tokens) - 1)  # its last token is computed, for the logits
+            cache.lock(node)
+            self.kv.share_prefix(row, pages)
+            req.cache_node, req.num_cached = node, len(pages) * self.kv.page_size
+            req.num_in_cache = req.num_cached
+            until = len(tokens) // self.kv.page_size * self.kv.page_size  # its full pages once prefilled
+            if until > req.num_in_cache:
+                self._caching[req.request_id] = (req, until)
+        return True
+
+    def _cache_prompts(self) -> None:
+        """Put the full pages that launched steps computed for prompts into the cache (a later step that reads them
+        runs after those steps on the device)."""
+        for rid, (req, until) in list(self._caching.items()):
+            if req.row is not None:
+                self._cache(req)
+            if req.row is None or req.num_in_cache >= until:  # (finished or preempted: it cached what it had then)
+                del self._caching[rid]
+
+    def _cache(self, req: Request) -> None:
+        """Insert the request's full pages of known tokens into the cache, and lock them for it."""
+        cache, page = self.kv.prefix_cache, self.kv.page_size
+        full = min(req.num_cached, req.num_tokens) // page
+        if cache is None or full * page <= req.num_in_cache:
+            return
+        node = cache.insert(req.all_ids[: full * page], self.kv.pages_of(req.row)[:full])
+        cache.lock(node)
+        cache.unlock(req.cache_node)
+        req.cache_node, req.num_in_cache = node, full * page
+
+    def _release(self, req: Request, *, keep: bool) -> None:
+        """Give back a request's row and pages; `keep`: its full pages stay in the prefix cache."""
+        cache = self.kv.prefix_cache
+        if cache is not None:
+            if keep:
+                self._cache(req)
+            cache.unlock(req.cache_node)
+        self.kv.release(req.row)
+        req.row, req.num_cached, req.cache_node, req.num_in_cache = None, 0, None, 0
 
     def _pages_for(self, work: list[tuple[Request, int]]) -> int:
         """Pages that computing `n` more tokens of each request would take (new requests hold none yet)."""
@@ -165,10 +234,10 @@ class Scheduler:
                 decoding.remove(victim)
         return None
 
-    def preempt(self, req: Request) -> None:
-        """Free a running request's pages and queue it first, to recompute its cache when room returns."""
-        self.kv.release(req.row)
-        req.row, req.num_cached = None, 0
+    def preempt(self, req: Request, *, keep_cache: bool = True) -> None:
+        """Free a running request's pages and queue it first, to recompute its cache when room returns (its full
+        pages stay in the prefix cache, for it to share again if they are not evicted meanwhile)."""
+        self._release(req, keep=keep_cache)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(req)
@@ -178,12 +247,12 @@ class Scheduler:
         """Forget every request (after a failed step; the engine frees the whole KV pool)."""
         self.waiting.clear()
         self.running.clear()
+        self._caching.clear()
 
     def finish(self, req: Request) -> None:
         """Release a finished request's pages and row (or take it out of the queue, if it was preempted)."""
         if req.row is None:
             self.waiting.remove(req)
             return
-        self.kv.release(req.row)
-        req.row = None
+        self._release(req, keep=True)
         self.running.remove(req)
