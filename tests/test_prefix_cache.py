@@ -168,6 +168,17 @@ def test_a_prompt_is_shared_while_it_is_still_being_prefilled(roomy_runners):
     assert second.cached_tokens >= 32
 
 
+@pytest.mark.parametrize("page", [1, 16])
+def test_requests_sent_together_compute_their_shared_prompt_once(roomy_runners, page):
+    rng = random.Random(7)
+    system = [rng.randrange(2, 512) for _ in range(96)]
+    prompts = [system + [rng.randrange(2, 512) for _ in range(5)] for _ in range(4)]
+    expected = drive(Engine(roomy_runners[page], prefix_caching=False), prompts, [greedy(4)] * 4)
+    engine = Engine(roomy_runners[page])
+    assert drive(engine, prompts, [greedy(4)] * 4) == expected
+    assert engine.prefill_stats().computed_tokens <= 96 + 4 * 5 + 4 * page  # the others wait a step and share it
+
+
 def test_a_token_still_on_the_device_is_not_cached():
     kv = KVMemory(
         PageAllocator(32, 1), ReqToTokenPool(2, 64, "cpu"), PagedKVCache(1, 33, 1, 4, torch.float32, "cpu"), 1

@@ -46,6 +46,10 @@ class ScheduledStep:
 
 PENDING_TOKEN = -1
 
+# A new request whose next this many tokens (at least a page) another request of the same step computes waits one
+# step and shares them from the prefix cache instead of computing them twice (a system prompt sent by many at once).
+SHARE_SPAN = 32
+
 
 class Scheduler:
     def __init__(
@@ -114,6 +118,9 @@ class Scheduler:
             if new:
                 if len(self.running) + len(admitted) >= self.max_running_requests or not self._admit(req):
                     break
+                if self._computed_alongside(req, chosen):
+                    self._release(req, keep=False)
+                    continue
             take = min(req.num_tokens - req.num_cached, self.chunked_prefill_size, budget)
             pages = self._pages_for([*chosen, (req, take)])
             # Admit only with room left for one decode token of everyone running afterwards, so that admitting does
@@ -169,6 +176,20 @@ class Scheduler:
             if until > req.num_in_cache:
                 self._caching[req.request_id] = (req, until)
         return True
+
+    def _computed_alongside(self, req: Request, chosen: list[tuple[Request, int]]) -> bool:
+        """Whether a request of this step computes the next SHARE_SPAN tokens of `req`, which the cache lacks."""
+        if self.kv.prefix_cache is None:
+            return False
+        start = req.num_cached
+        span = max(SHARE_SPAN, self.kv.page_size)
+        tokens = req.all_ids[start : start + span]
+        return len(tokens) == span and any(
+            other.num_cached <= start
+            and other.num_cached + n >= start + span
+            and other.all_ids[start : start + span] == tokens
+            for other, n in chosen
+        )
 
     def _cache_prompts(self) -> None:
         """Put the full pages that launched steps computed for prompts into the cache (a later step that reads them
