@@ -3,6 +3,9 @@
 A decode step must read every weight once plus the K/V of every cached token of the batch; at best it takes
 (those bytes) / (the device's memory bandwidth). The roofline fraction is that bound over the measured step time,
 with the bandwidth measured in the same run by a large device copy (read + write bytes per second).
+
+With `shared_prefix_len` every prompt starts with the same random tokens (a system prompt) before its own
+`input_len`: what the prefix cache is for. The result reports the prompt tokens computed and found in the cache.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from omnirun.memory import PagedKVCache
 from omnirun.sampling import SamplingParams
 
 
-def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+def random_prompts(
+    num_prompts: int, input_len: int, vocab_size: int, seed: int, shared_prefix_len: int = 0
+) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+    shared = [rng.randrange(vocab_size) for _ in range(shared_prefix_len)]
+    return [shared + [rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
 def run_bench(
@@ -32,22 +38,29 @@ def run_bench(
     num_prompts: int,
     seed: int = 0,
     warmup: bool = True,
+    shared_prefix_len: int = 0,
 ) -> dict[str, Any]:
-    """Run `num_prompts` prompts of `input_len` random tokens, `output_len` new tokens each (EOS ignored), at most
-    `batch_size` at a time; return the measurements as a flat dict (what --json writes)."""
+    """Run `num_prompts` prompts of `input_len` random tokens (after `shared_prefix_len` tokens common to all),
+    `output_len` new tokens each (EOS ignored), at most `batch_size` at a time; return the measurements as a flat
+    dict (what --json writes)."""
     engine, runner = llm.engine, llm.runner
     vocab = runner.shape.vocab_size
     params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
     if warmup:  # first calls pay one-time costs (allocator growth, kernel selection, weight packing)
-        warmup_prompts = random_prompts(min(batch_size, num_prompts), input_len, vocab, seed + 1)
+        # (another seed, so the measured run finds none of its prompts' prefixes cached)
+        warmup_prompts = random_prompts(min(batch_size, num_prompts), input_len, vocab, seed + 1, shared_prefix_len)
         llm.generate(warmup_prompts, params, use_tqdm=False)
     engine.scheduler.max_running_requests = batch_size  # (the engine thread is idle between generate calls)
     engine.decode_steps.clear()
-    prompts = random_prompts(num_prompts, input_len, vocab, seed)
+    prefill_before = engine.prefill_stats()
+    prompts = random_prompts(num_prompts, input_len, vocab, seed, shared_prefix_len)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     runner.platform.synchronize()
     elapsed = time.perf_counter() - start
+    prefill = engine.prefill_stats()
+    computed = prefill.computed_tokens - prefill_before.computed_tokens
+    cached = prefill.cached_tokens - prefill_before.cached_tokens
 
     output_tokens = sum(len(o.token_ids) for o in outputs)
     tpots = [(o.latency_s - o.ttft_s) / (len(o.token_ids) - 1) for o in outputs if len(o.token_ids) > 1]
@@ -69,6 +82,7 @@ def run_bench(
         "graph_runner": runner.describe()["graph_runner"],
         "batch_size": batch_size,
         "input_len": input_len,
+        "shared_prefix_len": shared_prefix_len,
         "output_len": output_len,
         "num_prompts": num_prompts,
         "total_s": elapsed,
@@ -82,15 +96,21 @@ def run_bench(
         "roofline_fraction_copy_bw": step_bytes / step_s / bandwidth.copy_bytes_per_s,
         "roofline_fraction_read_bw": step_bytes / step_s / bandwidth.read_bytes_per_s,
         "preemptions": engine.scheduler.num_preemptions,
+        "prefix_caching": engine.prefix_cache is not None,
+        "prefill_tokens_computed": computed,
+        "prefill_tokens_cached": cached,
+        "prefix_cache_hit_rate": cached / (computed + cached) if computed + cached else 0.0,
     }
 
 
 def format_result(r: dict[str, Any]) -> str:
+    prompt = f"({r['shared_prefix_len']} shared + {r['input_len']})" if r["shared_prefix_len"] else r["input_len"]
+    cache = "on" if r["prefix_caching"] else "off"
     return "\n".join(
         [
             f"{r['model']} on {r['device']} ({r['device_name']}), {r['dtype']}, attention {r['attention']}, "
             f"{r['graph_runner']}",
-            f"batch {r['batch_size']}, {r['num_prompts']} prompts x {r['input_len']} tokens -> {r['output_len']} new",
+            f"batch {r['batch_size']}, {r['num_prompts']} prompts x {prompt} tokens -> {r['output_len']} new",
             f"  output throughput  {r['output_tokens_per_s']:10.1f} tok/s   ({r['total_s']:.2f} s)",
             f"  TTFT (mean)        {r['ttft_ms_mean']:10.2f} ms",
             f"  TPOT (mean)        {r['tpot_ms_mean']:10.2f} ms",
@@ -99,5 +119,7 @@ def format_result(r: dict[str, Any]) -> str:
             f"  bandwidth          {r['copy_GBps']:10.1f} GB/s copy, {r['read_GBps']:.1f} GB/s read",
             f"  roofline fraction  {r['roofline_fraction_copy_bw']:10.1%}  of copy bandwidth "
             f"({r['roofline_fraction_read_bw']:.1%} of read bandwidth)",
+            f"  prefix cache {cache:>3}   {r['prefill_tokens_cached']:10d} prompt tokens cached, "
+            f"{r['prefill_tokens_computed']} computed (hit rate {r['prefix_cache_hit_rate']:.1%})",
         ]
     )

@@ -101,6 +101,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise OmnirunError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.shared_prefix_len < 0:
+        raise OmnirunError(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise OmnirunError(f"--json {args.json}: its folder does not exist; create it or name another file")
     model = _model_and_device(args)
@@ -114,6 +116,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             output_len=args.output_len,
             num_prompts=args.num_prompts or args.batch_size,
             seed=args.seed or 0,
+            shared_prefix_len=args.shared_prefix_len,
         )
     print(format_result(result))
     if args.json:
@@ -155,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=128)
     bench.add_argument("--num-prompts", type=int, default=None, help="default: the batch size")
+    bench.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with (a system prompt)"
+    )
     bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     bench.set_defaults(func=_cmd_bench)
 
