@@ -263,3 +263,19 @@ def test_tp2_with_the_cache_gives_the_tp1_tokens_without_it():
         assert engine.prefill_stats().cached_tokens > 0
     finally:
         runner.close()
+
+
+def test_bench_with_a_shared_prefix_reports_the_cached_prompt_tokens(monkeypatch):
+    from omnirun import bench
+    from omnirun.bandwidth import Bandwidth
+
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda platform, device: Bandwidth(2e9, 1e9))
+    prompts = bench.random_prompts(3, 4, 512, seed=0, shared_prefix_len=40)
+    assert all(p[:40] == prompts[0][:40] and len(p) == 44 for p in prompts)
+    with LLM("tiny-llama", load_format="dummy", device="cpu", dtype="float32", max_total_tokens=1024) as llm:
+        run = dict(batch_size=4, input_len=8, output_len=2, num_prompts=4, warmup=False, shared_prefix_len=64)
+        result = bench.run_bench(llm, **run)
+    # one request computes the 64 shared tokens; the others wait a step and share them
+    assert result["prefill_tokens_computed"] + result["prefill_tokens_cached"] == 4 * 72
+    assert result["prefill_tokens_computed"] <= 64 + 4 * 8 and result["prefix_cache_hit_rate"] > 0.6
+    assert "hit rate" in bench.format_result(result)
