@@ -4,9 +4,11 @@ numbers, and the max_new_tokens error says what to pass."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from omnirun.errors import SamplingParamsError
-from omnirun.sampling import SamplingParams
+from omnirun.sampling import SamplingParams, TokenHistory
+from omnirun.sampling.adjust import LogitAdjustments
 
 
 def test_token_id_zero_is_a_stop_token_and_negative_ids_are_not():
@@ -27,3 +29,40 @@ def test_the_max_new_tokens_error_says_what_to_pass():
     assert str(excinfo.value) == (
         "SamplingParams.max_new_tokens=0 is invalid: use an int >= 1, or None for up to the context length"
     )
+
+
+def test_penalties_without_a_token_history_are_refused_with_the_fix():
+    with pytest.raises(SamplingParamsError) as excinfo:
+        LogitAdjustments.build([SamplingParams(presence_penalty=1.0)], [0], None, 8, "cpu")
+    assert str(excinfo.value) == (
+        "presence/frequency/repetition penalties need each request's tokens: pass a TokenHistory"
+    )
+
+
+def test_min_tokens_and_logit_bias_need_no_token_history():
+    params = [SamplingParams(min_tokens=2, stop_token_ids=[5], logit_bias={1: 3.0})]
+    adjusted = LogitAdjustments.build(params, [0], None, 8, "cpu").apply(torch.zeros(1, 8))
+    expected = torch.tensor([[0.0, 3.0, 0.0, 0.0, 0.0, float("-inf"), 0.0, 0.0]])
+    assert torch.equal(adjusted, expected)
+
+
+def test_a_pending_token_id_zero_is_counted():
+    """Token 0 is a real token (pending -1 means none): a presence penalty of 1 lowers its logit by 1."""
+    history = TokenHistory([[]], [[]], pending=torch.tensor([0]))
+    adjustments = LogitAdjustments.build([SamplingParams(presence_penalty=1.0)], [1], history, 4, "cpu")
+    assert adjustments.apply(torch.zeros(1, 4)).tolist() == [[-1.0, 0.0, 0.0, 0.0]]
+
+
+def test_a_repetition_penalty_of_two_divides_and_multiplies_by_two():
+    history = TokenHistory([[1, 2]], [[]])
+    adjustments = LogitAdjustments.build([SamplingParams(repetition_penalty=2.0)], [0], history, 4, "cpu")
+    got = adjustments.apply(torch.tensor([[4.0, 4.0, -4.0, 4.0]]))
+    assert got.tolist() == [[4.0, 2.0, -8.0, 4.0]]  # tokens 1 and 2 were in the prompt
+
+
+def test_adjusted_logits_are_a_new_float32_tensor():
+    logits = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.bfloat16)
+    adjustments = LogitAdjustments.build([SamplingParams(logit_bias={0: 1.0})], [0], None, 3, "cpu")
+    got = adjustments.apply(logits)
+    assert got.dtype == torch.float32 and got.tolist() == [[2.0, 2.0, 3.0]]
+    assert logits.tolist() == [[1.0, 2.0, 3.0]]  # left as it was
