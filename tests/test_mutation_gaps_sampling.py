@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnirun.errors import SamplingParamsError
-from omnirun.sampling import SamplingParams, TokenHistory
+from omnirun.sampling import Sampler, SamplingBatch, SamplingParams, TokenHistory
 from omnirun.sampling.adjust import LogitAdjustments
 
 
@@ -66,3 +66,14 @@ def test_adjusted_logits_are_a_new_float32_tensor():
     got = adjustments.apply(logits)
     assert got.dtype == torch.float32 and got.tolist() == [[2.0, 2.0, 3.0]]
     assert logits.tolist() == [[1.0, 2.0, 3.0]]  # left as it was
+
+
+def test_a_nucleus_cut_inside_tied_tokens_keeps_the_lowest_token_ids():
+    """The sort is stable: among equal logits the cut keeps token ids in order (an unstable sort of 100 tokens
+    on the CPU does not)."""
+    logits = torch.zeros(1, 100)
+    logits[0, ::3] = 10.0  # 34 tied tokens hold almost all the mass, 1/34 each
+    batch = SamplingBatch.build([SamplingParams(top_p=0.4)], [0], "cpu", vocab_size=100)
+    kept = (Sampler._filtered_probs(logits, batch)[0] > 0).nonzero().flatten().tolist()
+    # sorted positions 0..13 have less than 0.4 before them (13/34 = 0.38), position 14 has 14/34 = 0.41
+    assert kept == list(range(0, 42, 3))
