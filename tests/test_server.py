@@ -41,11 +41,11 @@ def _greedy(llm, prompt, n: int, **kw):
 
 
 def _pool_whole_within(llm, seconds: float) -> float:
-    """Wait until every KV page is free and no request is live; returns how long that took."""
+    """Wait until every KV page is free (or only cached) and no request is live; returns how long that took."""
     start = time.monotonic()
     while True:
         usage = llm.kv_usage()
-        if usage.pages_free == usage.pages_total and not usage.pages_held:
+        if usage.pages_free + usage.pages_cached == usage.pages_total and not usage.pages_held:
             return time.monotonic() - start
         if time.monotonic() - start > seconds:
             raise AssertionError(f"KV pages not all back after {seconds} s: {usage}")
@@ -77,6 +77,14 @@ def test_completions_greedy_text_equals_llm_generate(llm, client):
         want = _greedy(llm, prompt_ids, 5)
         assert choice.text == llm.tokenizer.decode(prompt_ids) + want.text
     assert out.usage.prompt_tokens == sum(map(len, ids))
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(llm, client):
+    prompt = list(range(5, 45))  # 40 tokens, as ids: the first request computes them, the second shares 39
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 39 and second.choices[0].text == first.choices[0].text
 
 
 def test_completions_stop_and_logprobs(llm, client):

@@ -117,7 +117,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
                 yield DONE
                 return
             if include_usage:
-                spent = usage([prompt], sum(len(c.token_ids) for c in choices))
+                spent = usage([prompt], sum(len(c.token_ids) for c in choices), requests)
                 yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=spent))
             yield DONE
 
@@ -133,5 +133,5 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
         )
         for index, choice in enumerate(choices)
     ]
-    spent = usage([prompt], sum(len(c.token_ids) for c in choices))
+    spent = usage([prompt], sum(len(c.token_ids) for c in choices), requests)
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=spent)

@@ -108,7 +108,7 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
                 yield DONE
                 return
             if include_usage:
-                spent = usage(prompts, sum(len(c.token_ids) for c in choices))
+                spent = usage(prompts, sum(len(c.token_ids) for c in choices), requests)
                 yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=spent))
             yield DONE
 
@@ -124,5 +124,5 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
                 index=index, text=echo + choice.text, logprobs=logprobs, finish_reason=choice.finish_reason
             )
         )
-    spent = usage(prompts, sum(len(c.token_ids) for c in choices))
+    spent = usage(prompts, sum(len(c.token_ids) for c in choices), requests)
     return CompletionResponse(id=rid, created=created, model=model, choices=out, usage=spent)

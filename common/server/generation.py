@@ -1,8 +1,8 @@
 """What completions and chat share: sampling parameters from a request body, the n choices of each prompt,
 collecting a group's outputs, SSE framing, and giving up on a request whose client went away.
 
-n > 1 runs n requests of the same prompt (each prefills it; sharing one prefill needs shared KV pages, which
-come with the prefix cache). With a seed, choice j samples with seed + j, so the choices differ and repeat.
+n > 1 runs n requests of the same prompt (the prefix cache shares the prompt's full pages among them). With a
+seed, choice j samples with seed + j, so the choices differ and repeat.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from omnirun.engine import Request, StreamDelta
 from omnirun.sampling import SamplingParams
 from omnirun.server.async_engine import AsyncEngine, RequestGroup
 from omnirun.server.errors import ClientGone, OpenAIError
-from omnirun.server.protocol import UsageInfo
+from omnirun.server.protocol import PromptTokensDetails, UsageInfo
 
 DONE = "data: [DONE]\n\n"
 
@@ -87,10 +87,16 @@ async def collect(group: RequestGroup) -> list[Choice]:
     return choices
 
 
-def usage(prompts: Sequence[Sequence[int]], completion_tokens: int) -> UsageInfo:
+def usage(prompts: Sequence[Sequence[int]], completion_tokens: int, requests: Sequence[Request]) -> UsageInfo:
+    """Token counts; a prompt's cached tokens are those every one of its n choices found in the prefix cache."""
     prompt_tokens = sum(len(p) for p in prompts)
+    n = len(requests) // len(prompts)
+    cached = sum(min(r.cached_tokens for r in requests[i * n : (i + 1) * n]) for i in range(len(prompts)))
     return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 

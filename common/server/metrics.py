@@ -30,7 +30,8 @@ class _EngineState(Collector):
         scheduler = self._engine.scheduler
         if scheduler is None:  # closed
             return
-        allocator = self._engine.runner.kv.allocator
+        kv = self._engine.runner.kv
+        allocator = kv.allocator
         yield GaugeMetricFamily("omnirun_requests_running", "Requests holding KV pages", value=len(scheduler.running))
         yield GaugeMetricFamily(
             "omnirun_requests_waiting", "Requests queued in the scheduler", value=len(scheduler.waiting)
@@ -41,7 +42,12 @@ class _EngineState(Collector):
             value=self._async.num_waiting,
         )
         yield GaugeMetricFamily(
-            "omnirun_kv_pages_used", "KV-cache pages in use", value=allocator.num_pages - allocator.free_count
+            "omnirun_kv_pages_used", "KV-cache pages in use", value=allocator.num_pages - kv.free_pages
+        )
+        yield GaugeMetricFamily(
+            "omnirun_kv_pages_cached",
+            "KV-cache pages only the prefix cache keeps (evicted when new tokens need them)",
+            value=kv.free_pages - allocator.free_count,
         )
         yield GaugeMetricFamily("omnirun_kv_pages_total", "KV-cache pages in the pool", value=allocator.num_pages)
         yield CounterMetricFamily(
