@@ -77,3 +77,33 @@ def test_a_nucleus_cut_inside_tied_tokens_keeps_the_lowest_token_ids():
     kept = (Sampler._filtered_probs(logits, batch)[0] > 0).nonzero().flatten().tolist()
     # sorted positions 0..13 have less than 0.4 before them (13/34 = 0.38), position 14 has 14/34 = 0.41
     assert kept == list(range(0, 42, 3))
+
+
+def _kept(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    batch = SamplingBatch.build(params, [0] * len(params), "cpu", vocab_size=logits.shape[-1])
+    return Sampler._filtered_probs(logits, batch)
+
+
+def test_the_nucleus_is_the_shortest_prefix_that_reaches_top_p():
+    probs = _kept(torch.zeros(1, 4), [SamplingParams(top_p=0.5)])  # 0.25 each: two tokens reach 0.5 exactly
+    assert probs.tolist() == [[0.5, 0.5, 0.0, 0.0]]  # (the nucleus, renormalised)
+
+
+def test_a_row_with_top_p_one_keeps_its_tail_when_the_cumsum_rounds_to_one():
+    logits = torch.zeros(2, 10)
+    logits[:, 0] = 20.0  # token 0 has all but 9 x 2e-9 of the mass: the running sum is 1.0 in float32 after it
+    probs = _kept(logits, [SamplingParams(top_p=1.0), SamplingParams(top_p=0.9)])
+    assert bool((probs[0] > 0).all())  # top-p off: nothing dropped
+    assert probs[1, 1:].tolist() == [0.0] * 9  # the other row's nucleus is token 0 alone
+
+
+def test_min_p_keeps_tokens_exactly_at_the_threshold():
+    # uniform: every token has p_max; min_p 1 keeps tokens with p >= 1 x p_max, i.e. all of them
+    assert _kept(torch.zeros(1, 4), [SamplingParams(min_p=1.0)]).tolist() == [[0.25] * 4]
+
+
+def test_a_tiny_temperature_does_not_overflow_in_any_row():
+    """Each row's own maximum is subtracted before dividing by the temperature, so that nothing reaches inf."""
+    logits = torch.tensor([[1.0, 0.0], [1000.0, 999.0]])
+    probs = _kept(logits, [SamplingParams(temperature=1e-37)] * 2)
+    assert probs.tolist() == [[1.0, 0.0], [1.0, 0.0]]
