@@ -107,3 +107,22 @@ def test_a_tiny_temperature_does_not_overflow_in_any_row():
     logits = torch.tensor([[1.0, 0.0], [1000.0, 999.0]])
     probs = _kept(logits, [SamplingParams(temperature=1e-37)] * 2)
     assert probs.tolist() == [[1.0, 0.0], [1.0, 0.0]]
+
+
+def test_batch_build_errors_say_what_to_pass():
+    with pytest.raises(SamplingParamsError) as excinfo:
+        SamplingBatch.build([SamplingParams(), SamplingParams()], [0], "cpu")
+    assert str(excinfo.value) == (
+        "SamplingBatch.build got 2 params but 1 token indices: pass one token index per request"
+    )
+    with pytest.raises(SamplingParamsError) as excinfo:
+        SamplingBatch.build([SamplingParams(min_tokens=1)], [0], "cpu")
+    assert str(excinfo.value) == "penalties, logit_bias and min_tokens need SamplingBatch.build(vocab_size=)"
+
+
+def test_asking_for_the_chosen_logprob_only_still_gives_the_tokens():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    out = Sampler()(logits, SamplingBatch.build([SamplingParams(temperature=0, logprobs=0)] * 2, [0, 0], "cpu"))
+    assert out.token_ids.tolist() == [1, 0]
+    assert torch.allclose(out.logprobs, torch.log_softmax(logits, dim=-1)[[0, 1], [1, 0]])
+    assert out.top_logprob_ids is None and out.top_logprobs is None
