@@ -151,7 +151,9 @@ def test_request_errors(platform, tiny_checkpoints):
 
 
 def test_llm_api_with_the_embedded_model(platform):
-    llm = LLM(device=platform.name, max_total_tokens=4096)
+    # Runs of one prompt are compared token for token: without the prefix cache each computes the prompt the same way
+    # (with it, the last prompt token would run alone, and in bf16 a near tie may break the other way).
+    llm = LLM(device=platform.name, max_total_tokens=4096, disable_prefix_caching=True)
     greedy = SamplingParams(temperature=0, max_new_tokens=24)
     outputs = llm.generate(["Hello there", "Paged KV caches"], greedy)
     assert [o.finish_reason for o in outputs] == ["length", "length"]
