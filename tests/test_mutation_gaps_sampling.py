@@ -126,3 +126,36 @@ def test_asking_for_the_chosen_logprob_only_still_gives_the_tokens():
     assert out.token_ids.tolist() == [1, 0]
     assert torch.allclose(out.logprobs, torch.log_softmax(logits, dim=-1)[[0, 1], [1, 0]])
     assert out.top_logprob_ids is None and out.top_logprobs is None
+
+
+def test_logit_bias_accepts_token_zero_and_names_a_bad_entry():
+    assert SamplingParams(logit_bias={0: -1}).logit_bias == {0: -1.0}
+    with pytest.raises(SamplingParamsError) as excinfo:
+        SamplingParams(logit_bias={3: 1.0, -1: 2.0})
+    assert str(excinfo.value) == (
+        "SamplingParams.logit_bias={-1: 2.0} is invalid: use a dict of token id (int >= 0) -> bias (a number in "
+        "[-100, 100])"
+    )
+    with pytest.raises(SamplingParamsError, match=r"^SamplingParams\.logit_bias=\[1\] is invalid: use a dict of"):
+        SamplingParams(logit_bias=[1])
+
+
+def test_a_batch_lives_on_the_device_asked_for_in_its_dtypes():
+    """On the meta device (any host), so that a tensor left on the default device shows."""
+    params = [
+        SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, presence_penalty=1.0, repetition_penalty=1.2)
+    ]
+    history = TokenHistory([[1]], [[2]])
+    batch = SamplingBatch.build(params, [1], "meta", vocab_size=8, history=history)
+    for name, dtype in [
+        ("temperatures", torch.float32),
+        ("top_ps", torch.float32),
+        ("top_ks", torch.int64),
+        ("min_ps", torch.float32),
+        ("greedy", torch.bool),
+    ]:
+        tensor = getattr(batch, name)
+        assert tensor.device.type == "meta" and tensor.dtype == dtype, name
+    assert batch.adjustments.counts.device.type == "meta"
+    assert batch.adjustments.prompt_seen.device.type == "meta"
+    assert batch.adjustments.presence.device.type == "meta"
