@@ -143,7 +143,17 @@ def test_logit_bias_accepts_token_zero_and_names_a_bad_entry():
 def test_a_batch_lives_on_the_device_asked_for_in_its_dtypes():
     """On the meta device (any host), so that a tensor left on the default device shows."""
     params = [
-        SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, presence_penalty=1.0, repetition_penalty=1.2)
+        SamplingParams(
+            temperature=0.5,
+            top_k=3,
+            top_p=0.9,
+            min_p=0.1,
+            presence_penalty=1.0,
+            repetition_penalty=1.2,
+            logit_bias={1: 2.0},
+            min_tokens=4,
+            stop_token_ids=[5],
+        )
     ]
     history = TokenHistory([[1]], [[2]])
     batch = SamplingBatch.build(params, [1], "meta", vocab_size=8, history=history)
@@ -156,6 +166,16 @@ def test_a_batch_lives_on_the_device_asked_for_in_its_dtypes():
     ]:
         tensor = getattr(batch, name)
         assert tensor.device.type == "meta" and tensor.dtype == dtype, name
-    assert batch.adjustments.counts.device.type == "meta"
-    assert batch.adjustments.prompt_seen.device.type == "meta"
-    assert batch.adjustments.presence.device.type == "meta"
+    adjustments = batch.adjustments
+    tensors = [adjustments.counts, adjustments.prompt_seen, adjustments.repetition, adjustments.frequency]
+    tensors += [adjustments.presence, *adjustments.bias, *adjustments.banned]
+    assert [t.device.type for t in tensors] == ["meta"] * len(tensors)
+
+
+def test_min_tokens_skips_stop_ids_outside_the_vocabulary():
+    """An EOS id the tokenizer has but the logits do not (vocab 8, id 8) is not banned, and is no error."""
+    history = TokenHistory([[]], [[]], eos_token_ids=[8])
+    adjustments = LogitAdjustments.build([SamplingParams(min_tokens=2, stop_token_ids=[3])], [0], history, 8, "cpu")
+    expected = [0.0] * 8
+    expected[3] = float("-inf")
+    assert adjustments.apply(torch.zeros(1, 8)).tolist() == [expected]
