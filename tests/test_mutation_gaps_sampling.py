@@ -179,3 +179,23 @@ def test_min_tokens_skips_stop_ids_outside_the_vocabulary():
     expected = [0.0] * 8
     expected[3] = float("-inf")
     assert adjustments.apply(torch.zeros(1, 8)).tolist() == [expected]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "valid"),
+    [
+        ("temperature", -1.0, "a finite number >= 0 (0 means greedy)"),
+        ("top_p", 0.0, "a number in (0, 1] (1 turns top-p off)"),
+        ("top_k", -2, "an int >= 1, or -1 or 0 to turn top-k off"),
+        ("min_p", 2.0, "a number in [0, 1] (0 turns min-p off)"),
+        ("seed", 1.5, "an int, or None for an unseeded request"),
+        ("logprobs", -1, "an int >= 0 (0: chosen token only), or None for no logprobs"),
+        ("ignore_eos", 1, "True or False"),
+        ("stop", [""], "a non-empty string or a list of non-empty strings"),
+        ("stop_token_ids", [-1], "a list of token ids (ints >= 0)"),
+    ],
+)
+def test_each_refusal_says_exactly_what_to_use(field, value, valid):
+    with pytest.raises(SamplingParamsError) as excinfo:
+        SamplingParams(**{field: value})
+    assert str(excinfo.value) == f"SamplingParams.{field}={value!r} is invalid: use {valid}"
