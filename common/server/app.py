@@ -82,7 +82,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        llm._loop.check_alive()  # a dead engine thread: EngineClosedError, a 500
+        llm.engine_loop.check_alive()  # a dead engine thread: EngineClosedError, a 500
         return Response(status_code=200)
 
     @app.get("/metrics")

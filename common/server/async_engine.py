@@ -103,7 +103,7 @@ class AsyncEngine:
         if self._mailbox is None or self._mailbox._loop is not event_loop:
             self._mailbox = Mailbox(event_loop)
         channel = AsyncChannel(self._mailbox)
-        loop = self.llm._loop  # the LLM's engine thread (the one EngineLoop of this process)
+        loop = self.llm.engine_loop
         self.num_waiting += len(requests)
         try:
             for request in requests:
@@ -140,7 +140,7 @@ class RequestGroup:
         return self._deltas()
 
     async def _deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
-        loop = self._engine.llm._loop
+        loop = self._engine.llm.engine_loop
         while len(self._finished) < len(self.requests):
             try:
                 request_id, item = await self._channel.get(_LIVENESS_CHECK_S)
@@ -168,7 +168,7 @@ class RequestGroup:
         if self._closed:
             return
         self._closed = True
-        loop = self._engine.llm._loop
+        loop = self._engine.llm.engine_loop
         for request in self.requests:
             self._mark_started(request.request_id)  # no longer waiting, whatever happens next
             if request.request_id not in self._finished:
