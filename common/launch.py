@@ -74,31 +74,31 @@ def _join_and_build(
         elif local is not None and local.dead():
             raise OmnirunError(f"rank(s) {sorted(local.dead())} exited before the group formed: see their errors above")
 
-    init_distributed(platform, spec, timeout_s=config.dist_timeout, device_index=index, peers_alive=peers_alive)
-    channel = ControlChannel(control_group(), rendezvous_store())
-    if spec.rank == 0:
-        link = WorkerLink(channel, local)
+    channel = None
     try:
+        init_distributed(platform, spec, timeout_s=config.dist_timeout, device_index=index, peers_alive=peers_alive)
+        channel = ControlChannel(control_group(), rendezvous_store())
+        if spec.rank == 0:
+            link = WorkerLink(channel, local)
         runner = ModelRunner(dataclasses.replace(config, device_index=index), platform)
-    except OmnirunError:
-        _leave(link)
-        raise
     except BaseException as exc:
+        failure = exc
         if link is not None:
-            raise link.fail(exc) from exc
-        channel.report_failure(exc)
-        raise
+            worker_error = link.fail(exc)  # and stops the local workers
+            if not isinstance(exc, OmnirunError):
+                failure = worker_error  # rank 0 sees a worker's failure as a broken collective: name the worker
+        elif channel is not None:
+            channel.report_failure(exc)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        platform.unbind_rank()
+        if failure is exc:
+            raise
+        raise failure from exc
     runner._owns_process_group = True  # closing the runner leaves the group this start-up joined
     if link is not None:
         runner.workers = link
     return runner, channel
-
-
-def _leave(link: WorkerLink | None) -> None:
-    if link is not None:
-        link.fail(RuntimeError("rank 0 failed to start"))
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def serve(runner: ModelRunner, channel: ControlChannel) -> None:

@@ -211,6 +211,9 @@ class Platform:
         default. Platforms whose ranks share one device (the CPU) return 0 and divide it among them."""
         return local_rank
 
+    def unbind_rank(self) -> None:
+        """Undo `bind_rank` when this process's rank closes (the process may run a single-device runner next)."""
+
     def make_communicator(self, group: Any = None) -> Any:
         """The collective communicator for `group` (None: the default group): an `omnirun.distributed.Communicator`
         over torch.distributed on `distributed_backend`. A platform may return a faster subclass (a custom

@@ -463,8 +463,10 @@ class ModelRunner:
                     setattr(self, name, None)
             gc.collect()  # the runner, its graph runner and backends refer to each other
             self.platform.empty_cache()
-            if self._owns_process_group and dist.is_initialized():
-                dist.destroy_process_group()
+            if self._owns_process_group:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                self.platform.unbind_rank()  # bound by the launcher that joined the group
             self._owns_process_group = False
 
     @property

@@ -1,5 +1,5 @@
-"""Tensor parallelism on the device under test: the model split over two ranks (two devices; on a backend whose ranks
-share one device, such as gloo on the host, one) gives HF's greedy tokens, with the device's graphs and its
+"""Tensor parallelism on the device under test: the model split over two ranks (two devices, or one where the
+platform binds several ranks to one device, as the CPU does) gives HF's greedy tokens, with the device's graphs and its
 collectives inside them where it has them."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from omnirun.engine import LLM
+from omnirun.platform import Platform
 from omnirun.sampling import SamplingParams
 from omnirun.testing import hf_greedy
 
@@ -15,8 +16,9 @@ PROMPTS = [[5, 17, 42, 9, 100, 3], [11, 12, 13], [200, 7, 7, 1, 90, 45, 33, 2, 8
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # GQA with llama3 rope; q/k norm with tied embeddings
 def test_tp2_greedy_tokens_equal_hf(platform, device_name, tiny_checkpoints, arch):
-    shared = platform.distributed_backend == "gloo"
-    if not shared and platform.device_count() < 2:
+    # Each rank takes a device of its own, unless the platform binds several ranks to one (Platform.bind_rank).
+    shares_devices = type(platform).bind_rank is not Platform.bind_rank
+    if not shares_devices and platform.device_count() < 2:
         pytest.skip(f"{device_name} shows {platform.device_count()} device(s): tensor parallelism over 2 needs two")
     checkpoint = tiny_checkpoints[arch]
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform as _host
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +26,7 @@ class CpuPlatform(Platform):
     default_mem_fraction_static = 0.4
     _own_use: OwnUseTracker | None = None  # set by the first memory_info()
     _ranks_per_node = 1  # processes sharing this host as tensor-parallel ranks (bind_rank)
+    _threads_before_bind: int | None = None
 
     def _probe(self) -> ProbeResult:
         return ProbeResult.ok(1)
@@ -63,9 +63,17 @@ class CpuPlatform(Platform):
 
     def bind_rank(self, local_rank: int, ranks_per_node: int) -> int:
         """Every rank of a node shares the host: each takes its share of the cores and of the memory budget."""
+        if self._threads_before_bind is None:
+            self._threads_before_bind = torch.get_num_threads()
         self._ranks_per_node = max(1, ranks_per_node)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self._ranks_per_node))
+        torch.set_num_threads(max(1, self._threads_before_bind // self._ranks_per_node))
         return 0
+
+    def unbind_rank(self) -> None:
+        self._ranks_per_node = 1
+        if self._threads_before_bind is not None:
+            torch.set_num_threads(self._threads_before_bind)
+            self._threads_before_bind = None
 
     def memory_info(self, index: int | None = None) -> tuple[int, int]:
         free, total = self._host_memory_info()
