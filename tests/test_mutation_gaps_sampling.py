@@ -3,6 +3,8 @@ numbers, and the max_new_tokens error says what to pass."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -199,3 +201,28 @@ def test_each_refusal_says_exactly_what_to_use(field, value, valid):
     with pytest.raises(SamplingParamsError) as excinfo:
         SamplingParams(**{field: value})
     assert str(excinfo.value) == f"SamplingParams.{field}={value!r} is invalid: use {valid}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "valid"),
+    [
+        ("presence_penalty", -2.5, "a number in [-2, 2] (0 turns it off)"),
+        ("frequency_penalty", 2.5, "a number in [-2, 2] (0 turns it off)"),
+        ("repetition_penalty", math.inf, "a finite number > 0 (1 turns it off)"),
+        ("repetition_penalty", 0.0, "a finite number > 0 (1 turns it off)"),
+        ("min_tokens", -1, "an int >= 0"),
+        ("logit_bias", {1: -100.5}, "a dict of token id (int >= 0) -> bias (a number in [-100, 100])"),
+    ],
+)
+def test_penalty_refusals_say_exactly_what_to_use(field, value, valid):
+    with pytest.raises(SamplingParamsError) as excinfo:
+        SamplingParams(**{field: value})
+    assert str(excinfo.value) == f"SamplingParams.{field}={value!r} is invalid: use {valid}"
+
+
+def test_penalty_ranges_include_their_ends():
+    SamplingParams(presence_penalty=-2, frequency_penalty=2, logit_bias={1: -100, 2: 100})
+    assert SamplingParams(max_new_tokens=3, min_tokens=3).min_tokens == 3
+    with pytest.raises(SamplingParamsError) as excinfo:
+        SamplingParams(max_new_tokens=3, min_tokens=4)
+    assert str(excinfo.value) == "SamplingParams.min_tokens=4 is invalid: use at most max_new_tokens (3)"
