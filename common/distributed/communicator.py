@@ -21,6 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed all_gather_into_tensor (and warns on every call of the old name); older builds have only that.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class Communicator:
     """all_reduce (sum), all_gather and broadcast (tensors and small objects), all_gather_object, barrier over `group`.
@@ -54,12 +57,12 @@ class Communicator:
             raise ValueError(f"all_gather out= has shape {tuple(out.shape)}, expected {gathered_shape}")
         if dim == 0:
             target = out if out is not None and out.is_contiguous() else tensor.new_empty(gathered_shape)
-            dist.all_gather_into_tensor(target, tensor.contiguous(), group=self.group)
+            _all_gather_into(target, tensor.contiguous(), group=self.group)
         else:
             # Gather rank-major along dim 0 (the layout every backend accepts), then move the rank axis next to `dim`:
             # one copy, no Python loop over ranks.
             flat = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
-            dist.all_gather_into_tensor(flat, tensor.contiguous(), group=self.group)
+            _all_gather_into(flat, tensor.contiguous(), group=self.group)
             target = flat.view(self.world_size, *tensor.shape).movedim(0, dim).reshape(gathered_shape)
         if out is not None and target is not out:
             return out.copy_(target)
