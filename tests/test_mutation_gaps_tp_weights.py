@@ -348,3 +348,58 @@ def test_parallel_lm_head_joins_blocks_in_rank_order_and_drops_padding_logits():
     logits = head(torch.tensor([[13.0, 14.0]]))
     assert torch.equal(logits, torch.tensor([[10.0, 11.0, 12.0, 13.0, 14.0]]))
     assert logits.is_contiguous()
+
+
+def test_linear_parameters_are_frozen_in_the_asked_dtype_and_one_split_only():
+    from omnirun.layers.linear import Linear
+    from omnirun.layers.ops import Ops
+
+    layer = Linear(3, 4, bias=True, ops=Ops(), dtype=torch.float16)
+    assert layer.prepared is None
+    for p in (layer.weight, layer.bias):
+        assert p.dtype == torch.float16 and not p.requires_grad
+    assert layer.weight.shape == (4, 3) and layer.bias.shape == (4,)
+    with pytest.raises(ValueError, match=r"^a linear layer splits its input or its output over the ranks, not both$"):
+        Linear(Slice(6, 3, 3), Slice(4, 0, 2), bias=False, ops=Ops(), dtype=torch.float32)
+
+
+def test_linear_checkpoint_slices_of_column_and_row_parallel_layers():
+    from omnirun.layers.linear import Linear
+    from omnirun.layers.ops import Ops
+
+    col = Linear(3, {"q": Slice(8, 4, 4), "k": Slice(2, 0, 1)}, bias=True, ops=Ops(), dtype=torch.float32)
+    w, b = col.checkpoint_slice("weight", "k"), col.checkpoint_slice("bias", "q")
+    assert (w.full_shape, w.dim, w.start, w.length) == ((2, 3), 0, 0, 1)
+    assert w.view.data_ptr() == col.weight.data_ptr() + 4 * 3 * 4  # after q's 4 rows of 3 floats
+    assert (b.full_shape, b.dim, b.start, b.length) == ((8,), 0, 4, 4)
+    row = Linear(Slice(6, 3, 3), 5, bias=True, ops=Ops(), dtype=torch.float32)
+    w, b = row.checkpoint_slice("weight"), row.checkpoint_slice("bias")
+    assert (w.full_shape, w.dim, w.start, w.length) == ((5, 6), 1, 3, 3) and w.view.shape == (5, 3)
+    assert w.view.data_ptr() == row.weight.data_ptr()
+    assert (b.full_shape, b.dim) == ((5,), None) and b.view.data_ptr() == row.bias.data_ptr()
+
+
+@pytest.mark.parametrize(("rank", "size"), [(0, 2), (1, 2), (0, 1)])
+def test_row_parallel_linear_adds_its_bias_once_and_sums_the_ranks(rank, size):
+    from omnirun.layers.linear import RowParallelLinear
+    from omnirun.layers.ops import Ops
+
+    other = torch.tensor([[100.0, 200.0]])  # the other rank's partial product
+
+    class Summing:
+        world_size = size
+        calls = 0
+
+        def all_reduce(self, t):
+            Summing.calls += 1
+            return t.add_(other)
+
+    layer = RowParallelLinear(
+        Slice(4, 2 * rank, 2), 2, bias=True, ops=Ops(), dtype=torch.float32, tp=_tp(rank, size, Summing())
+    )
+    layer.weight.data.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    layer.bias.data.copy_(torch.tensor([0.5, -0.5]))
+    out = layer(torch.tensor([[1.0, 1.0]]))  # x W^T = [3, 7]
+    expected = {(0, 2): [[103.5, 206.5]], (1, 2): [[103.0, 207.0]], (0, 1): [[3.5, 6.5]]}[(rank, size)]
+    assert torch.equal(out, torch.tensor(expected))
+    assert Summing.calls == (1 if size > 1 else 0)
