@@ -51,9 +51,7 @@ class WorkerLink:
         OmnirunError such as a refused weight update) leaves the group out of step, so it is shut down."""
         try:
             yield
-        except WorkerError:
-            raise
-        except OmnirunError:
+        except OmnirunError:  # agreed on every rank, or already a WorkerError
             raise
         except Exception as exc:
             raise self.fail(exc) from exc
