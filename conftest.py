@@ -5,6 +5,10 @@ and the `device_name`, `platform` and `tiny_checkpoints` fixtures.
 `@pytest.mark.triton` marks a Triton kernel test. Tests select by capability, not by lane: where the `--device`
 platform's capabilities offer triton (the gate in `omnirun.kernels`), the kernels compile and run on that device;
 elsewhere they run in Triton's interpreter on CPU tensors. The `triton_device` fixture says which.
+
+A fake lane (`ci/run-lane npu-fake`, ...) names its fake in $OMNIRUN_FAKE_LANE: a file whose `install()` puts the
+fake vendor modules in place and registers the fake platform (`omnirun.fake_device`). It runs first of all, before
+anything asks the registry for the device.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +32,24 @@ def _compiles_triton(device_name: str) -> bool:
     return platform is not None and platform.probe().available and offers_triton(platform.capabilities)
 
 
+FAKE_LANE_ENV = "OMNIRUN_FAKE_LANE"
+
+
+def _install_fake_lane() -> None:
+    path = Path(os.environ[FAKE_LANE_ENV])
+    if not path.is_absolute():
+        path = Path(__file__).resolve().parent / path
+    spec = importlib.util.spec_from_file_location(f"fake_lane_{path.parent.parent.name}", path)
+    if spec is None or not path.is_file():
+        raise pytest.UsageError(f"{FAKE_LANE_ENV}={os.environ[FAKE_LANE_ENV]!r} names no file: give a fake_lane.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get(FAKE_LANE_ENV):
+        _install_fake_lane()
     # Where the device cannot compile Triton, its kernels run in the interpreter. The switch must be set before
     # anything imports triton (transformers may, while tests are being collected), because triton reads it once.
     from omnirun.conformance.plugin import device_under_test
