@@ -7,7 +7,8 @@
 Both run greedy on random prompts with EOS ignored, from random weights of the preset's shape. For each batch size
 it prints output tokens/s and decode ms/step of both, the ratio omnirun/HF, and omnirun's roofline fraction;
 `--offline N I O` also runs N prompts of I tokens, O new tokens each, through omnirun (HF's figure for that work
-is quoted from the issue, not rerun: it takes minutes). `--json` writes everything.
+is quoted from the issue, not rerun: it takes minutes). `--matmul-only` first measures each batch size's step with
+its matmuls alone (bench/matmul_only.py) and prints omnirun's step as a multiple of it. `--json` writes everything.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 from omnirun.bench import random_prompts, run_bench
 from omnirun.engine import LLM
 from omnirun.loader import preset_config
+from omnirun.models.architecture import decoder_shape
+from omnirun.registry import get_platform
 
 
 def hf_generate_timing(model, prompts: list[list[int]], output_len: int, sync) -> dict[str, float]:
@@ -60,10 +63,21 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--disable-graph", action="store_true")
     parser.add_argument("--mem-fraction-static", type=float, default=None)
+    parser.add_argument("--matmul-only", action="store_true", help="calibrate against the step's matmuls alone")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     hf_sizes = args.batch_sizes if args.hf_batch_sizes is None else args.hf_batch_sizes
+
+    matmul_ms = {}
+    if args.matmul_only:
+        from matmul_only import matmul_only_step_ms  # bench/, next to this script
+
+        # Measured before anything else holds device memory; the weights are freed after each size.
+        shape, platform = decoder_shape(preset_config(args.preset)), get_platform(args.device)
+        for bs in args.batch_sizes:
+            matmul_ms[bs] = matmul_only_step_ms(platform, shape, bs, getattr(torch, args.dtype))
+            print(f"bs={bs:4d} | matmul-only step {matmul_ms[bs]:.3f} ms", flush=True)
 
     hf = None
     if hf_sizes:
@@ -100,6 +114,10 @@ def main() -> None:
             f"ms/step, roofline {ours['roofline_fraction_copy_bw']:.1%} of {ours['copy_GBps']:.0f} GB/s copy "
             f"({ours['roofline_fraction_read_bw']:.1%} of {ours['read_GBps']:.0f} GB/s read)"
         )
+        if bs in matmul_ms:
+            row["matmul_only_step_ms"] = matmul_ms[bs]
+            row["step_over_matmul_only"] = ours["decode_step_ms_median"] / matmul_ms[bs]
+            line += f" | {row['step_over_matmul_only']:.3f}x matmul-only ({matmul_ms[bs]:.2f} ms)"
         if bs in hf_sizes:
             prompts = random_prompts(bs, args.input_len, vocab, seed=bs)
             hf_result = hf_generate_timing(hf, prompts, args.output_len, platform.synchronize)
