@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,24 +31,10 @@ def _compiles_triton(device_name: str) -> bool:
     return platform is not None and platform.probe().available and offers_triton(platform.capabilities)
 
 
-FAKE_LANE_ENV = "OMNIRUN_FAKE_LANE"
-
-
-def _install_fake_lane() -> None:
-    path = Path(os.environ[FAKE_LANE_ENV])
-    if not path.is_absolute():
-        path = Path(__file__).resolve().parent / path
-    spec = importlib.util.spec_from_file_location(f"fake_lane_{path.parent.parent.name}", path)
-    if spec is None or not path.is_file():
-        raise pytest.UsageError(f"{FAKE_LANE_ENV}={os.environ[FAKE_LANE_ENV]!r} names no file: give a fake_lane.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.install()
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get(FAKE_LANE_ENV):
-        _install_fake_lane()
+    from omnirun.registry import default_registry
+
+    default_registry()  # a fake lane ($OMNIRUN_FAKE_LANE) installs its fake here, before any test asks for it
     # Where the device cannot compile Triton, its kernels run in the interpreter. The switch must be set before
     # anything imports triton (transformers may, while tests are being collected), because triton reads it once.
     from omnirun.conformance.plugin import device_under_test

@@ -12,7 +12,9 @@ host read of a device value (`.item()`, `.tolist()`, printing a tensor) raises.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -124,3 +126,18 @@ def use_platform(platform: Platform) -> None:
     from omnirun.registry import default_registry
 
     default_registry().platforms[platform.name] = platform
+
+
+def install_fake_lane(path: str) -> None:
+    """Run the `install()` of the fake lane file at `path` (absolute, or relative to the repository root or the
+    working directory): it puts the fake vendor modules in place and calls `use_platform`."""
+    file = Path(path)
+    if not file.is_absolute():
+        candidates = (Path(__file__).resolve().parent.parent / file, Path.cwd() / file)
+        file = next((c for c in candidates if c.is_file()), file)
+    spec = importlib.util.spec_from_file_location(f"fake_lane_{file.parent.parent.name}", file)
+    if spec is None or spec.loader is None or not file.is_file():
+        raise FileNotFoundError(f"OMNIRUN_FAKE_LANE={path!r} names no file: give the path of a fake_lane.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install()

@@ -10,7 +10,6 @@ the available platform with the highest `auto_priority` (cuda = rocm > npu > xpu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.metadata
 import logging
 import os
@@ -27,6 +26,8 @@ from omnirun.platform import PLATFORM_API_VERSION, Platform
 
 ENTRY_POINT_GROUP = "omnirun.platforms"
 DEVICE_ENV_VAR = "OMNIRUN_DEVICE"
+# A test lane that swaps a device's vendor module for a fake (omnirun.fake_device.install_fake_lane).
+FAKE_LANE_ENV = "OMNIRUN_FAKE_LANE"
 AUTO = "auto"
 
 # What every platform must set or implement; the Platform base class provides everything else.
@@ -163,10 +164,21 @@ def _reject_duplicates(entry_points: list[importlib.metadata.EntryPoint]) -> Non
         seen[ep.name] = ep
 
 
-@functools.cache
+_default_registry: PlatformRegistry | None = None
+
+
 def default_registry() -> PlatformRegistry:
-    """The registry of this Python environment, discovered once per process."""
-    return PlatformRegistry.discover()
+    """The registry of this Python environment, discovered once per process. Under a fake lane
+    ($OMNIRUN_FAKE_LANE, `omnirun.fake_device`) the lane's fake platform replaces the real one here, so every
+    process a test starts (ranks, servers, CLIs) sees the same fake."""
+    global _default_registry
+    if _default_registry is None:
+        _default_registry = PlatformRegistry.discover()
+        if os.environ.get(FAKE_LANE_ENV):
+            from omnirun.fake_device import install_fake_lane
+
+            install_fake_lane(os.environ[FAKE_LANE_ENV])
+    return _default_registry
 
 
 def get_platform(name: str) -> Platform:

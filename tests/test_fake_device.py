@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from omnirun.fake_device import RecordingGraph, recording_capture, recording_graph_api
+from omnirun.registry import FAKE_LANE_ENV
 
 
 def _step(x: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -55,3 +60,23 @@ def test_the_graph_api_refuses_replay_before_capture_and_capture_twice():
         torch.ones(1).add_(1)
     with pytest.raises(RuntimeError, match="reset"):
         graph.capture_begin()
+
+
+def test_a_fake_lane_reaches_every_process_through_the_registry(tmp_path):
+    # Ranks, servers and CLIs a test starts are new processes: the registry there must install the lane's fake too.
+    lane = tmp_path / "fake_lane.py"
+    lane.write_text(
+        "from omnirun.devices.cpu.platform import CpuPlatform\n"
+        "from omnirun.fake_device import use_platform\n"
+        "class FakeCpu(CpuPlatform):\n"
+        "    pass\n"
+        "def install():\n"
+        "    use_platform(FakeCpu())\n"
+    )
+    code = "from omnirun.registry import get_platform\nprint(type(get_platform('cpu')).__name__)"
+    env = {**os.environ, FAKE_LANE_ENV: str(lane)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "FakeCpu"
+    env[FAKE_LANE_ENV] = str(tmp_path / "missing.py")
+    failed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert failed.returncode != 0 and "names no file" in failed.stderr
