@@ -41,6 +41,23 @@ class StreamDelta:
     logprobs: list[float] | None = None  # of each new token, when SamplingParams.logprobs is set
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob) of the top-n, when n > 0
 
+    def then(self, later: StreamDelta) -> StreamDelta:
+        """This delta followed by `later` (of the same request) as one: what a reader that fell behind by a step
+        receives, so that it sends one message for both."""
+
+        def joined(a: list | None, b: list | None) -> list | None:
+            return None if a is None and b is None else (a or []) + (b or [])
+
+        text = None if self.text is None and later.text is None else (self.text or "") + (later.text or "")
+        return StreamDelta(
+            self.request_id,
+            self.token_ids + later.token_ids,
+            text,
+            later.finish_reason,
+            joined(self.logprobs, later.logprobs),
+            joined(self.top_logprobs, later.top_logprobs),
+        )
+
 
 @dataclasses.dataclass
 class _Subscriber:

@@ -65,8 +65,16 @@ class AsyncChannel:
     def put(self, item: tuple[int, Any]) -> None:  # called on the engine thread
         self._mailbox.post(self._queue, item)
 
-    async def get(self, timeout: float) -> tuple[int, Any]:
-        return await asyncio.wait_for(self._queue.get(), timeout)
+    async def get_all(self, timeout: float) -> list[tuple[int, Any]]:
+        """Every item queued, waiting up to `timeout` for the first (asyncio.TimeoutError after it): a reader that
+        fell behind takes what piled up at once instead of waking once per item."""
+        if self._queue.empty():
+            items = [await asyncio.wait_for(self._queue.get(), timeout)]
+        else:
+            items = []
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return items
 
 
 class AsyncEngine:
@@ -143,20 +151,19 @@ class RequestGroup:
         loop = self._engine.llm.engine_loop
         while len(self._finished) < len(self.requests):
             try:
-                request_id, item = await self._channel.get(_LIVENESS_CHECK_S)
+                items = await self._channel.get_all(_LIVENESS_CHECK_S)
             except asyncio.TimeoutError:
                 loop.check_alive()
                 continue
-            if isinstance(item, BaseException):
-                raise item
-            index = self._index[request_id]
-            self._mark_started(request_id)
-            if item.finish_reason is not None:
-                self._finished.add(request_id)
             now = time.perf_counter()
-            for observe in self._engine.on_delta:
-                observe(self.requests[index], item, now)
-            yield index, item
+            for request_id, delta in _coalesced(items).items():
+                index = self._index[request_id]
+                self._mark_started(request_id)
+                if delta.finish_reason is not None:
+                    self._finished.add(request_id)
+                for observe in self._engine.on_delta:
+                    observe(self.requests[index], delta, now)
+                yield index, delta
 
     def _mark_started(self, request_id: int) -> None:
         if request_id not in self._started:
@@ -173,3 +180,16 @@ class RequestGroup:
             self._mark_started(request.request_id)  # no longer waiting, whatever happens next
             if request.request_id not in self._finished:
                 loop.abort(request.request_id)
+
+
+def _coalesced(items: list[tuple[int, Any]]) -> dict[int, StreamDelta]:
+    """The deltas of each request among `items`, joined in order into one (raises an engine error found there).
+    Under load the event loop reads several steps' deltas at once; joining them keeps its work per step, not per
+    token, so HTTP never slows the engine thread it shares the interpreter with."""
+    merged: dict[int, StreamDelta] = {}
+    for request_id, item in items:
+        if isinstance(item, BaseException):
+            raise item
+        earlier = merged.get(request_id)
+        merged[request_id] = item if earlier is None else earlier.then(item)
+    return merged
