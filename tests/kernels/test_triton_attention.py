@@ -81,6 +81,9 @@ CASES = [
     Case(16, 64, 4, 1, 20, torch.bfloat16, FP8, num_splits=2, block=16),
     Case(1, 64, 8, 2, 33, torch.float32, FP8, block=32),
     Case(16, 96, 4, 2, None, torch.float32, torch.float32, num_splits=5, block=16),
+    # One split: the split stage writes the output in the query dtype and the merge does not run.
+    Case(16, 64, 8, 2, 21, torch.bfloat16, torch.bfloat16, num_splits=1, block=16),
+    Case(1, 128, 4, 4, None, torch.float32, FP8, num_splits=1),
 ]
 
 
@@ -227,3 +230,28 @@ def test_registry_offers_triton_only_where_capabilities_say_so():
     assert isinstance(factories["triton"](context), TritonAttention)
     assert isinstance(factories["torch_native"](context), TorchNativeAttention)
     assert TritonAttention.supports_graph
+
+
+def test_large_decode_batches_take_fewer_splits():
+    _, context, _ = make_setup(Case(1, 64, 8, 2, None, torch.float32, torch.float32), seed=4)
+    backend = TritonAttention(context, num_splits=16)
+    programs = TritonAttention.DECODE_PROGRAMS
+    # 2 KV heads: 16 splits until the batch alone makes the programs, then fewer, down to one.
+    assert backend.decode_splits(1) == 16 and backend.decode_splits(programs // 32) == 16
+    assert backend.decode_splits(programs // 8) == 4 and backend.decode_splits(programs // 2) == 1
+    assert backend.decode_splits(programs) == 1
+    assert TritonAttention(context, num_splits=3).decode_splits(1) == 3
+
+
+def test_a_large_decode_batch_in_one_split_matches_torch_native():
+    case = Case(1, 64, 4, 2, None, torch.float32, torch.float32)
+    kv, context, layer = make_setup(case, seed=5)
+    backend = TritonAttention(context, num_splits=16)
+    backend.DECODE_PROGRAMS = 2  # 3 requests x 2 KV heads already fill this "GPU": one split
+    prefix_lens = [0, 7, 150]
+    rows = fill_prefixes(kv, prefix_lens)
+    batch = build_batch(kv, rows, prefix_lens, [[1]] * len(rows), DEVICE)
+    assert backend.decode_splits(batch.batch_size) == 1
+    q, k, v = qkv(case, batch.num_tokens)
+    want = run(TorchNativeAttention(context), q, k, v, layer, batch)
+    assert_close(run(backend, q, k, v, layer, batch), want, case)

@@ -7,7 +7,8 @@ split's normalised partial output and its log-sum-exp. Stage 2 merges the splits
 
 The number of splits is fixed by the caller's partial buffers, not by the sequence lengths, so one launch serves
 every batch of a captured graph; splits that are empty for a short sequence (or below the sliding window) record a
-log-sum-exp of -inf and are left out of the merge.
+log-sum-exp of -inf and are left out of the merge. With one split (large batches, which fill the GPU without
+splitting) stage 1 writes the output itself and stage 2 does not run: no partials go through memory.
 
 Kernels work in base 2 (exp2/log2, the softmax scale pre-multiplied by log2(e)): exp2 is the native instruction.
 """
@@ -66,6 +67,7 @@ def _decode_split_kernel(
     seq_lens,
     part_out,
     part_lse,
+    Out,
     scale_log2,
     window,
     stride_qb,
@@ -80,6 +82,8 @@ def _decode_split_kernel(
     stride_ps,
     stride_lb,
     stride_lh,
+    stride_ob,
+    stride_oh,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -136,9 +140,14 @@ def _decode_split_kernel(
         acc, l_i, m_i = online_softmax_block(q, k, v, mask_n[None, :], acc, l_i, m_i, scale_log2, Q_TY, DOT_TY)
 
     # Every block holds a key (it starts below hi), so l_i > 0 and m_i is finite for every row.
-    out_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
-    tl.store(out_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=mask_h)
+    mask_out = mask_h[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_out)
+    else:
+        out_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+        tl.store(out_ptrs, acc / l_i[:, None], mask=mask_out)
+        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=mask_h)
 
 
 @triton.jit
@@ -200,7 +209,8 @@ def decode_attention(
     q, out: [batch, heads, head_dim] (last dim contiguous); k_cache, v_cache: [slots, kv_heads, head_dim] in the
     storage dtype; req_to_token: int32 [rows, max_context_len]; req_rows: [>= batch] request rows; seq_lens:
     int32 [>= batch], keys per request including the query's own. part_out: float32 [>= batch, heads, splits,
-    head_dim] and part_lse: float32 [>= batch, heads, splits] are scratch; their split count is the split count.
+    head_dim] and part_lse: float32 [>= batch, heads, splits] are scratch (views with strides are fine); their split
+    count is the split count.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -228,6 +238,7 @@ def decode_attention(
         seq_lens,
         part_out,
         part_lse,
+        out,
         scaling * LOG2E,
         sliding_window if use_window else 0,
         q.stride(0),
@@ -242,6 +253,8 @@ def decode_attention(
         part_out.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -253,6 +266,8 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if num_splits == 1:
+        return  # the split stage wrote the output
     _decode_merge_kernel[(batch, num_heads)](
         part_out,
         part_lse,
