@@ -117,9 +117,11 @@ class TritonAttention(AttentionBackend):
 
     def decode_splits(self, batch_size: int) -> int:
         """The split count of a decode batch of `batch_size` requests: `num_splits`, fewer once the batch alone
-        makes `DECODE_PROGRAMS` programs."""
+        makes `DECODE_PROGRAMS` programs. Below `num_splits` it is a power of two: each count is a kernel variant
+        to compile, and the graphs of 35 batch sizes would otherwise ask for a dozen of them."""
         pairs = max(batch_size, 1) * self.context.num_kv_heads
-        return max(1, min(self.num_splits, -(-self.DECODE_PROGRAMS // pairs)))
+        wanted = -(-self.DECODE_PROGRAMS // pairs)
+        return min(self.num_splits, 1 << (wanted - 1).bit_length())  # the power of two at or above
 
     def _eager_scratch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scratch is None or self._scratch[0].shape[0] < batch_size:
