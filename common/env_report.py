@@ -28,6 +28,7 @@ class PlatformRow:
     fused_ops: list[str]
     graph_capture: str | None
     packages: dict[str, str | None]
+    notes: list[str] = dataclasses.field(default_factory=list)  # vendor parts fallen back from, and why
 
 
 def platform_row(platform: Platform) -> PlatformRow:
@@ -47,6 +48,7 @@ def platform_row(platform: Platform) -> PlatformRow:
         fused_ops=[],
         graph_capture=None,
         packages=platform.package_versions(),
+        notes=list(platform.notes()),
     )
     if probe.available:
         caps = platform.capabilities
@@ -108,6 +110,8 @@ def _cells(row: PlatformRow) -> list[str]:
         devices += f" × {row.device_name}"
     packages = ", ".join(f"{k} {v or '-'}" for k, v in row.packages.items()) or "-"
     status = row.status + (f": {row.reason}" if row.reason else "")
+    if row.notes:
+        status += f" ({'; '.join(row.notes)})"
     return [
         row.name,
         devices,

@@ -22,8 +22,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from omnirun.graphs import GraphAPI
+from omnirun.host_event import HostEvent
+from omnirun.memory import PagedKVCache
 from omnirun.platform import Platform
 
+_PROC_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
 # Reading a device value on the host: impossible while a device graph is being captured.
 _HOST_READS = (torch.ops.aten._local_scalar_dense.default,)
 
@@ -91,14 +95,19 @@ class RecordingGraph:
 
 def _write_back(func: Any, captured: Any, result: Any) -> None:
     """Copy each freshly computed output into the tensor the capture returned (the graph's fixed output memory).
-    Outputs that alias an input (views, in-place and out= ops) already sit in that memory."""
+    Outputs that alias an input (views, in-place and out= ops) already sit in that memory. An op whose schema only
+    may alias (`to.dtype` aliases when no cast is needed, else returns new memory) is checked by its memory."""
     returns = func._schema.returns
     captured_flat = captured if isinstance(captured, (tuple, list)) else [captured]
     result_flat = result if isinstance(result, (tuple, list)) else [result]
     for i, (old, new) in enumerate(zip(captured_flat, result_flat, strict=True)):
-        aliases = i < len(returns) and returns[i].alias_info is not None
-        if isinstance(old, torch.Tensor) and not aliases:
+        may_alias = i < len(returns) and returns[i].alias_info is not None
+        if isinstance(old, torch.Tensor) and not (may_alias and _same_memory(old, new)):
             old.copy_(new)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 @contextlib.contextmanager
@@ -118,6 +127,54 @@ def new_pool() -> tuple[int, int]:
 
 def recording_graph_api(name: str) -> GraphAPI:
     return GraphAPI(name, new_graph=RecordingGraph, capture=recording_capture, new_pool=new_pool)
+
+
+class HostStandsInForDevice:
+    """Mixin for a fake lane's platform (put it before the real platform class): one device, index 0, that is the
+    host. Its tensors are CPU tensors, its kernels finish before they return, and its memory is a fixed-size budget
+    the KV pools of this process take from, so runners sized by the memory probe keep small pools."""
+
+    fake_total_bytes: int = 1 << 30
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device("cpu")  # "cpu:0" compares unequal to a CPU tensor's device
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_device(self, index: int) -> None:
+        if index != 0:
+            raise ValueError(f"the fake {self.name} platform has one device (index 0), not {index}")
+
+    def synchronize(self, index: int | None = None) -> None:
+        """CPU kernels finish before they return."""
+
+    def stream(self, index: int | None = None) -> torch.Stream:
+        return torch.Stream("cpu")
+
+    def event(self, enable_timing: bool = False) -> HostEvent:
+        return HostEvent(enable_timing)
+
+    def memory_info(self, index: int | None = None) -> tuple[int, int]:
+        # The fake device's memory holds the KV pools of this process: a second runner sees what the first took.
+        free = self.fake_total_bytes - PagedKVCache.reserved_bytes("cpu")
+        return max(free, 1), self.fake_total_bytes
+
+    def empty_cache(self) -> None:
+        """torch's CPU allocator hands freed memory back by itself."""
+
+    def peak_memory_allocated(self, index: int | None = None) -> int:
+        # The process's peak resident memory (VmHWM, kB) stands for the device allocator's peak.
+        for line in _PROC_STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def reset_peak_memory(self, index: int | None = None) -> None:
+        try:
+            _CLEAR_REFS.write_text("5")  # restart VmHWM from the current resident size
+        except OSError:
+            pass
 
 
 def use_platform(platform: Platform) -> None:

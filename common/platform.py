@@ -253,7 +253,17 @@ class Platform:
         """The backend used for prefill or decode when the user names none."""
         return self.attention_backends()[0]
 
+    def default_attention_backend_for(self, mode: AttentionMode, model_dtype: torch.dtype) -> str:
+        """The default for a model computing in `model_dtype` (what the runner asks): the dtype-blind default
+        unless a platform's best backend serves only some dtypes (aiter: bf16/fp16)."""
+        return self.default_attention_backend(mode)
+
     # --- report ---
+    def notes(self) -> tuple[str, ...]:
+        """One line per vendor part this platform falls back from and why (an installed package it cannot use),
+        for `omnirun env`; empty when there is nothing to explain."""
+        return ()
+
     def package_versions(self) -> dict[str, str | None]:
         """Installed version of each vendor distribution (None: not installed), read without importing it."""
         return {dist: _installed_version(dist) for dist in self.vendor_packages}

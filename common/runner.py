@@ -282,7 +282,10 @@ class ModelRunner:
             own = getattr(config, f"{mode}_attention_backend")
             flag = f"--{mode}-attention-backend" if own is not None else "--attention-backend"
             return choose_backend(
-                own or config.attention_backend, offered, self.platform.default_attention_backend(mode), flag
+                own or config.attention_backend,
+                offered,
+                self.platform.default_attention_backend_for(mode, self.dtype),
+                flag,
             )
 
         return choose("prefill"), choose("decode")

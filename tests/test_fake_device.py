@@ -33,6 +33,19 @@ def test_replay_reads_the_static_inputs_and_writes_the_captured_outputs():
     assert torch.equal(cache[[0, 6, 7]], x) and torch.count_nonzero(cache[[1, 2, 3, 4, 5]]) == 0
 
 
+def test_a_cast_replays_into_the_captured_output():
+    """`to(dtype)` may alias (no cast needed) or return new memory (a cast): a cast's output must be rewritten,
+    else a bf16 model's replays read the capture's values (a float32-only test never sees it)."""
+    x, w = torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16()
+    graph = RecordingGraph()
+    with torch.inference_mode():
+        with recording_capture(graph):
+            out = (x.float() * 2).to(x.dtype) * w.to(x.dtype)
+        x.copy_(torch.randn(2, 8))
+        graph.replay()
+    assert torch.equal(out, (x.float() * 2).to(x.dtype) * w)
+
+
 def test_host_values_are_frozen_at_capture():
     x = torch.arange(6.0)
     lengths = [2, 4]

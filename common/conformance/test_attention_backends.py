@@ -10,6 +10,7 @@ from omnirun.attention.backend import AttentionContext, AttentionLayerSpec
 from omnirun.attention.registry import attention_factories
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.batch import build_batch
+from omnirun.errors import ConfigError
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
 from omnirun.testing import fill_prefixes
 
@@ -75,7 +76,14 @@ def test_every_backend_equals_torch_native(platform, shape):
         for mode, new_lens in (("extend", [5, 1, 17, 9]), ("decode", [1, 1, 1, 1])):
             reference = _forward(platform, TorchNativeAttention, shape, model_dtype, kv_dtype, new_lens)
             for name in names:
-                got = _forward(platform, factories[name], shape, model_dtype, kv_dtype, new_lens)
+                try:
+                    got = _forward(platform, factories[name], shape, model_dtype, kv_dtype, new_lens)
+                except ConfigError as exc:
+                    # A backend may refuse an fp8 flavour its kernels cannot read (aiter: no e5m2), at build time
+                    # and with the flag that fixes it; the model dtype it must always serve.
+                    if kv_dtype == model_dtype or "--kv-cache-dtype" not in str(exc):
+                        raise
+                    continue
                 assert got.shape == reference.shape and torch.isfinite(got).all(), (name, mode)
                 torch.testing.assert_close(
                     got.float(), reference.float(), atol=tolerance, rtol=tolerance, msg=f"{name} {mode} {kv_dtype}"

@@ -36,11 +36,17 @@ def test_memory_probe_sees_an_allocation_within_5_percent(platform):
     assert sorted(given_back)[1] >= 0.95 * GIB, "freed memory must show as free again"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "half"])  # half: the device's best half dtype, which graphs mostly run
 @pytest.mark.parametrize("batch_size", [1, 3, 5, 8])  # 3 and 5 replay the graphs of 4 and 8, padded
-def test_graph_replay_equals_eager(platform, tiny_checkpoints, batch_size):
-    runner = make_runner(platform, tiny_checkpoints["qwen2"].plain, max_running_requests=16)
+def test_graph_replay_equals_eager(platform, tiny_checkpoints, batch_size, dtype):
+    if dtype == "half":
+        halves = [d for d in platform.capabilities.model_dtypes if d.itemsize == 2]
+        if not halves:
+            pytest.skip(f"{platform.name} computes in no half dtype")
+        dtype = str(halves[0]).removeprefix("torch.")
+    runner = make_runner(platform, tiny_checkpoints["qwen2"].plain, max_running_requests=16, dtype=dtype)
     if runner.graph_runner is None:
-        pytest.skip(f"{platform.name} builds no graph runner: every step runs eagerly")
+        pytest.skip(f"{platform.name} builds no graph runner for {dtype}: every step runs eagerly")
     prompts = [[(11 * i + j) % 256 for j in range(5 + 7 * i)] for i in range(batch_size)]
     rows = [runner.kv.new_request() for _ in prompts]
     runner.forward(build_batch(runner.kv, rows, [0] * batch_size, prompts, runner.device))
@@ -49,4 +55,6 @@ def test_graph_replay_equals_eager(platform, tiny_checkpoints, batch_size):
     assert runner.graph_runner.can_run(batch)
     replayed = runner.forward(batch).clone()
     eager = runner.forward_eager(batch)  # rewrites the same K/V slots with the same values
-    torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+    # A half dtype rounds differently where a padded graph batch changes a kernel's split of the work.
+    tolerance = 1e-4 if dtype == "float32" else 3e-2
+    torch.testing.assert_close(replayed.float(), eager.float(), atol=tolerance, rtol=tolerance)
