@@ -1,6 +1,14 @@
-"""The AMD platform: a ROCm build of torch drives the GPU through torch.cuda; RCCL for collectives, HIP graphs."""
+"""The AMD platform: a ROCm build of torch drives the GPU through torch.cuda; RCCL for collectives, HIP graphs.
+
+Where amd-aiter is installed it adds AMD's own parts: the `aiter` attention backend (offered next to triton) and
+aiter's rms norms as fused ops (in place of triton's, which stay the fallback aiter does not cover).
+"""
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -13,10 +21,25 @@ from omnirun.devices.torch_gpu import (
     visible_devices_note,
 )
 from omnirun.graphs import GraphAPI
-from omnirun.platform import Capabilities, Platform, ProbeResult
+from omnirun.kernels import portable_fused_ops
+from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
 
 # The HIP runtime honours all three; the first is the one to set.
 VISIBILITY_ENVS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+AITER = "aiter"
+TORCH_NATIVE = "torch_native"  # the portable backend no graph can capture
+
+
+def aiter_installed() -> bool:
+    """Whether aiter can be imported, found without importing it (its import loads JIT machinery and triton)."""
+    return importlib.util.find_spec("aiter") is not None
+
+
+def _build_aiter(context: Any) -> Any:
+    from omnirun.devices.rocm.aiter_attention import AiterAttention  # imports aiter: only when chosen
+
+    return AiterAttention(context)
 
 
 class RocmPlatform(Platform):
@@ -26,7 +49,7 @@ class RocmPlatform(Platform):
     visible_devices_env = VISIBILITY_ENVS[0]
     distributed_backend = "nccl"  # on a ROCm build torch's nccl backend is RCCL
     extra = "rocm"
-    vendor_packages = ("triton",)
+    vendor_packages = ("triton", "amd-aiter")
     auto_priority = 100
 
     def _probe(self) -> ProbeResult:
@@ -49,8 +72,12 @@ class RocmPlatform(Platform):
             )
         return ProbeResult.ok(count)
 
+    def _device_properties(self) -> Any:
+        """torch's properties of the current GPU: its marketing name and gcnArchName."""
+        return torch.cuda.get_device_properties(self.current_device())
+
     def _capabilities(self) -> Capabilities:
-        props = torch.cuda.get_device_properties(self.current_device())
+        props = self._device_properties()
         arch = GfxArch.parse(props.gcnArchName)
         fp8_e4m3, fp8_e5m2 = fp8_dtypes(arch)
         return Capabilities(
@@ -65,3 +92,39 @@ class RocmPlatform(Platform):
 
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()  # HIP graphs, behind torch.cuda
+
+    def make_graph_runner(self, runner: Any) -> Any | None:
+        # A decode step on torch_native cannot be captured (it reads lengths on the host): no graph runner, so no
+        # graph memory taken out of the KV pool for graphs that would never be captured.
+        config = runner.config
+        decode = (
+            config.decode_attention_backend
+            or config.attention_backend
+            or self.default_attention_backend_for("decode", runner.dtype)
+        )
+        return None if decode == TORCH_NATIVE else super().make_graph_runner(runner)
+
+    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
+        return {AITER: _build_aiter} if aiter_installed() else {}
+
+    def attention_backends(self) -> tuple[str, ...]:
+        # aiter after triton: it computes in bf16/fp16 only, and has never been measured against triton (nor run
+        # on an AMD GPU by this project). torch_native last.
+        from omnirun.attention.registry import portable_backends
+
+        portable = portable_backends(self.capabilities)
+        return portable[:-1] + tuple(self.attention_backend_factories()) + portable[-1:]
+
+    def default_attention_backend(self, mode: AttentionMode) -> str:
+        # aiter only on request, as in vLLM (VLLM_ROCM_USE_AITER) and SGLang (SGLANG_USE_AITER): triton where it
+        # runs, else torch_native, which serve every model dtype, float32 included. default_attention_backend_for
+        # could make it the default for bf16/fp16; it stays on request until it is measured on an MI300 against
+        # triton (FakeRocmPlatform makes it the default for half dtypes).
+        return next(name for name in self.attention_backends() if name != AITER)
+
+    def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
+        if not aiter_installed():
+            return {}
+        from omnirun.devices.rocm.aiter_ops import aiter_norm_ops  # imports aiter
+
+        return aiter_norm_ops(fallback=portable_fused_ops(self.capabilities))

@@ -1,4 +1,8 @@
-"""RocmPlatform on a real AMD GPU; skipped, with the probe's reason, wherever none is visible. Never run here yet."""
+"""RocmPlatform on a real AMD GPU; skipped, with the probe's reason, wherever none is visible. Never run here yet.
+
+It checks the real platform class against the GPU, not the platform registered for --device rocm: in the rocm-fake
+lane that one is FakeRocmPlatform (an MI300X made of CPU tensors), whose answers are the fake's, not a GPU's. So it
+asks RocmPlatform's own probe, which on a CPU build of torch says why there is no GPU, and skips with that."""
 
 from __future__ import annotations
 
@@ -19,7 +23,11 @@ FP8_BY_TARGET = {"gfx940": FNUZ, "gfx941": FNUZ, "gfx942": FNUZ, "gfx950": OCP, 
 
 @pytest.fixture(scope="module")
 def rocm() -> RocmPlatform:
-    return RocmPlatform()
+    platform = RocmPlatform()
+    probe = platform.probe()
+    if not probe.available:
+        pytest.skip(f"needs an AMD GPU: {probe.reason}")
+    return platform
 
 
 def test_capabilities_match_the_gpu(rocm: RocmPlatform):

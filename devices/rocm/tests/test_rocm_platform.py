@@ -60,7 +60,7 @@ def test_identity():
     assert rocm.visible_devices_env == "HIP_VISIBLE_DEVICES"
     assert rocm.distributed_backend == "nccl"
     assert rocm.extra == "rocm"
-    assert rocm.vendor_packages == ("triton",)
+    assert rocm.vendor_packages == ("triton", "amd-aiter")
     assert rocm.auto_priority == 100
 
 
@@ -207,3 +207,57 @@ def test_import_and_probe_leave_vendor_packages_unimported(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# --- aiter offered where it is installed; triton and torch_native otherwise ---
+def _runner(dtype=torch.bfloat16, **config):
+    flags = {"decode_attention_backend": None, "attention_backend": None, **config}
+    return types.SimpleNamespace(config=types.SimpleNamespace(**flags), dtype=dtype, max_running_requests=8)
+
+
+def test_without_aiter_the_portable_parts_only(fake_gpu, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(rocm_module, "aiter_installed", lambda: False)
+    rocm = RocmPlatform()
+    assert rocm.attention_backend_factories() == {}
+    assert rocm.attention_backends() == ("triton", "torch_native")
+    assert rocm.default_attention_backend("decode") == rocm.default_attention_backend_for("decode", torch.bfloat16)
+    assert rocm.default_attention_backend("decode") == "triton"
+    assert rocm.device_fused_ops() == {}
+    monkeypatch.setattr(rocm_module, "triton_installed", lambda: False)
+    no_triton = RocmPlatform()
+    assert no_triton.attention_backends() == ("torch_native",)
+    assert no_triton.default_attention_backend("prefill") == "torch_native"
+
+
+def test_with_aiter_it_is_offered_after_triton_and_only_on_request(fake_gpu, aiter):
+    rocm = RocmPlatform()
+    assert rocm_module.aiter_installed()
+    assert rocm.attention_backends() == ("triton", "aiter", "torch_native")
+    for mode in ("prefill", "decode"):
+        assert rocm.default_attention_backend(mode) == "triton"
+        assert rocm.default_attention_backend_for(mode, torch.bfloat16) == "triton"
+    ops = rocm.device_fused_ops()
+    assert set(ops) == {"rms_norm", "add_rms_norm"}
+    assert set(rocm.fused_ops()) >= set(ops)  # aiter's norms replace the portable ones of the same name
+
+
+def test_no_graph_runner_when_decode_runs_on_torch_native(fake_gpu, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(rocm_module, "triton_installed", lambda: False)
+    monkeypatch.setattr(rocm_module, "aiter_installed", lambda: False)
+    rocm = RocmPlatform()
+    assert rocm.make_graph_runner(_runner()) is None  # the default: torch_native
+    assert rocm.make_graph_runner(_runner(attention_backend="torch_native")) is None
+    runner = rocm.make_graph_runner(_runner(decode_attention_backend="aiter"))
+    assert runner is not None and runner.api.name == "hip_graph" and runner.max_batch_size == 8
+
+
+def test_import_of_the_aiter_modules_imports_no_aiter():
+    code = (
+        "import sys\n"
+        "import omnirun.devices.rocm.aiter_attention, omnirun.devices.rocm.aiter_ops\n"
+        "print('aiter' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMNIRUN_FAKE_LANE"}  # a fake lane installs a fake aiter
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
