@@ -8,13 +8,34 @@ memory query unchanged; this class only makes sure torch_npu is loaded before an
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from omnirun.devices.npu.torch_npu_loader import load_torch_npu
 from omnirun.errors import DeviceUnavailableError
-from omnirun.platform import Capabilities, Platform, ProbeResult
+from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
+
+ASCEND = "ascend"
+TORCH_NATIVE = "torch_native"  # the portable backend no graph can capture
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# The ATB operators the ascend backend calls (registered under torch.ops.atb once NNAL's libatb.so loads).
+ATB_OPS = ("_npu_reshape_and_cache", "_npu_paged_attention", "_npu_flash_attention_qlens")
+
+
+def atb_op_registered(name: str) -> bool:
+    """Whether torch_npu's ATB library (NNAL's libatb.so) registered the operator: torch_npu.<name> exists either
+    way, as a lazy stub that raises (Ascend/op-plugin:op_plugin/python/atb/_atb_ops.py)."""
+    return hasattr(torch.ops.atb, name)
+
+
+def _build_ascend(context: Any) -> Any:
+    from omnirun.devices.npu.ascend_attention import AscendAttention  # imports torch_npu: only when chosen
+
+    return AscendAttention(context)
+
 
 VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 
@@ -40,16 +61,18 @@ class NpuPlatform(Platform):
             return ProbeResult.unavailable(_no_device_reason())
         return ProbeResult.ok(count)
 
-    def _capabilities(self) -> Capabilities:
+    def _soc(self) -> tuple[str, bool]:
+        """The SoC name of the current device ("Ascend910B3", "Ascend950PR_9579", ...) and whether it has bf16."""
         npu = self.device_module
-        device_name = npu.get_device_name(self.current_device())  # the SoC: "Ascend910B3", "Ascend950PR_9579", ...
+        return npu.get_device_name(self.current_device()), npu.is_bf16_supported()
+
+    def _capabilities(self) -> Capabilities:
+        device_name, bf16 = self._soc()
         fp8 = _has_fp8(device_name)
         return Capabilities(
             device_name=device_name,
             # Atlas A2/A3 (910B, 910_93) compute in bf16; Atlas 300I/310P cards only in fp16.
-            model_dtypes=(torch.bfloat16, torch.float16, torch.float32)
-            if npu.is_bf16_supported()
-            else (torch.float16, torch.float32),
+            model_dtypes=(torch.bfloat16, torch.float16, torch.float32) if bf16 else (torch.float16, torch.float32),
             fp8_e4m3_dtype=torch.float8_e4m3fn if fp8 else None,
             fp8_e5m2_dtype=torch.float8_e5m2 if fp8 else None,
             # common/'s Triton kernels target CUDA, ROCm and XPU; Ascend's Triton is the separate triton-ascend
@@ -58,8 +81,73 @@ class NpuPlatform(Platform):
             async_execution=True,
         )
 
-    # No graph_api() yet: torch.npu.NPUGraph mirrors torch.cuda.CUDAGraph, but no NPU attention backend here can
-    # run inside a graph and the capture was never tried on an Ascend device, so decode runs eagerly.
+    # --- the parts torch_npu brings ---
+    def _torch_npu(self) -> ModuleType | None:
+        try:
+            return load_torch_npu(self.install_hint())
+        except DeviceUnavailableError:
+            return None
+
+    def _ascend_missing(self) -> str | None:
+        """Why the ascend attention backend cannot run here, or None when it can."""
+        torch_npu = self._torch_npu()
+        if torch_npu is None:
+            return "torch-npu does not import"
+        missing = [op for op in ATB_OPS if not atb_op_registered(op)]
+        if missing:
+            return (
+                f"torch_npu registers no ATB operator {missing[0]}: install the CANN NNAL package and source its "
+                "set_env.sh (/usr/local/Ascend/nnal/atb/set_env.sh)"
+            )
+        return None
+
+    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
+        return {ASCEND: _build_ascend} if self._ascend_missing() is None else {}
+
+    def default_attention_backend(self, mode: AttentionMode) -> str:
+        # Dtype-blind: torch_native serves every model dtype; the runner asks default_attention_backend_for.
+        return TORCH_NATIVE
+
+    def default_attention_backend_for(self, mode: AttentionMode, model_dtype: torch.dtype) -> str:
+        # ascend (ATB) for bf16/fp16 models, as vllm-ascend and SGLang run on Ascend; float32 runs torch_native.
+        if model_dtype in HALF_DTYPES and ASCEND in self.attention_backends():
+            return ASCEND
+        return TORCH_NATIVE
+
+    def graph_api(self) -> Any:
+        # NPU graphs only where a decode step can be captured: on the ascend backend (torch_native reads lengths on
+        # the host). Never run on an Ascend device by this project.
+        torch_npu = self._torch_npu()
+        if torch_npu is None or self._ascend_missing() is not None or not hasattr(torch_npu.npu, "NPUGraph"):
+            return None
+        from omnirun.devices.npu.npu_graphs import npu_graph_api
+
+        return npu_graph_api(torch_npu)
+
+    def make_graph_runner(self, runner: Any) -> Any | None:
+        config = runner.config
+        decode = (
+            config.decode_attention_backend
+            or config.attention_backend
+            or self.default_attention_backend_for("decode", runner.dtype)
+        )
+        return None if decode == TORCH_NATIVE else super().make_graph_runner(runner)
+
+    def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
+        torch_npu = self._torch_npu()
+        if torch_npu is None:
+            return {}
+        from omnirun.devices.npu.ascend_ops import ascend_fused_ops
+
+        return ascend_fused_ops(torch_npu)
+
+    def notes(self) -> tuple[str, ...]:
+        if not self.probe().available:
+            return ()  # the probe's reason says why
+        missing = self._ascend_missing()
+        if missing is not None:
+            return (f"no ascend attention and no NPU graphs: {missing}",)
+        return ("ascend attention and NPU graphs for bf16/fp16 models; float32 runs torch_native, eagerly",)
 
     @property
     def device_module(self) -> Any:

@@ -14,6 +14,9 @@ import types
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from omnirun.fake_device import RecordingGraph, new_pool
 
 GIB = 1 << 30
 
@@ -138,3 +141,302 @@ def write_importable_torch_npu(directory: Path) -> None:
         'torch.utils.rename_privateuse1_backend("npu")\n'
         'torch._register_device_module("npu", npu)\n'
     )
+
+
+# --- operators ------------------------------------------------------------------------------------------------
+# torch_npu's kernels, computed with plain torch on CPU tensors. The ATB ones are registered as real torch operators
+# (namespace "atb", the schemas of Ascend/op-plugin:op_plugin/ops/atb/*.cpp) so that a graph records each as one
+# operator, as NPUGraph's auto-dispatch capture does; the aclnn ones (norms, swiglu, rotary) are plain functions.
+
+
+class AtbCheckError(RuntimeError):
+    """What torch_npu / ATB raise on arguments a kernel cannot take."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AtbCheckError(message)
+
+
+HALF = (torch.bfloat16, torch.float16)
+FLOATS = (*HALF, torch.float32)
+
+
+def _check_cache(name: str, cache: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    # ATB reads the caches by their base pointer (ParamSetter.Input without the contiguous flag): strides must be
+    # the packed [blocks, block_size, kv_heads, head_dim] ones.
+    _require(
+        cache.dim() == 4, f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], got {tuple(cache.shape)}"
+    )
+    _require(cache.is_contiguous(), f"{name} must be contiguous (ATB reads it by its base pointer)")
+    _require(cache.dtype == dtype, f"{name} is {cache.dtype}, the query/key {dtype}")
+    return tuple(cache.shape)
+
+
+def _check_int32(name: str, t: torch.Tensor, dim: int) -> None:
+    _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+    _require(t.dim() == dim, f"{name} must be {dim}-D, got {tuple(t.shape)}")
+
+
+def _reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
+    _require(key.dtype in HALF, f"_npu_reshape_and_cache: key must be float16/bfloat16, got {key.dtype}")
+    blocks, block_size, heads, dim = _check_cache("key_cache", key_cache, key.dtype)
+    _check_cache("value_cache", value_cache, key.dtype)
+    _require(value_cache.shape == key_cache.shape, "key_cache and value_cache differ in shape")
+    _require(key.shape == value.shape and key.dim() == 3, f"key/value must be [T, H, D], got {tuple(key.shape)}")
+    _require(tuple(key.shape[1:]) == (heads, dim), f"key [T, {heads}, {dim}] expected, got {tuple(key.shape)}")
+    _check_int32("slot_indices", slot_indices, 1)
+    _require(slot_indices.shape[0] == key.shape[0], "one slot per token")
+    slots = slot_indices.long()
+    _require(bool(((slots >= 0) & (slots < blocks * block_size)).all()), "slot_indices out of the cache")
+    key_cache.view(-1, heads, dim)[slots] = key
+    value_cache.view(-1, heads, dim)[slots] = value
+
+
+def _paged_keys(cache, block_table, b, length, block_size):
+    j = torch.arange(length)
+    pages = block_table[b, j // block_size].long()
+    return cache[pages, j % block_size]  # [length, kv_heads, head_dim]
+
+
+def _attend(q, keys, values, scale, allowed):
+    """q [n, Hq, D], keys/values [L, Hkv, D], allowed [n, L] bool -> [n, Hq, D] (fp32 softmax)."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1)
+    v = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+
+
+def _check_block_table(block_table, batch, lens, block_size, blocks):
+    _check_int32("block_table", block_table, 2)
+    _require(block_table.shape[0] >= batch, f"block_table has {block_table.shape[0]} rows for {batch} sequences")
+    need = int(((lens + block_size - 1) // block_size).max()) if lens.numel() else 0
+    _require(block_table.shape[1] >= need, f"block_table holds {block_table.shape[1]} blocks, a sequence needs {need}")
+    used = torch.cat([block_table[b, : (int(n) + block_size - 1) // block_size] for b, n in enumerate(lens)])
+    _require(bool(((used >= 0) & (used < blocks)).all()), "block_table names a block outside the cache")
+
+
+def _paged_attention(
+    query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, workspace=None
+):
+    _require(query.dtype in HALF, f"_npu_paged_attention: query must be float16/bfloat16, got {query.dtype}")
+    _require(query.dim() == 3, f"query must be [B, Hq, D], got {tuple(query.shape)}")
+    batch, heads, dim = query.shape
+    blocks, block_size, kv_heads, cache_dim = _check_cache("key_cache", key_cache, query.dtype)
+    _check_cache("value_cache", value_cache, query.dtype)
+    _require((heads, kv_heads, dim) == (num_heads, num_kv_heads, cache_dim), "heads or head_size disagree")
+    _require(heads % kv_heads == 0, "query heads must group over the KV heads")
+    _check_int32("context_lens", context_lens, 1)
+    _require(context_lens.shape[0] == batch, "one context length per sequence")
+    _check_block_table(block_table, batch, context_lens, block_size, blocks)
+    _require(out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous(), "out must be like query")
+    # All sequences at once: key j of sequence b is in block block_table[b, j // block_size].
+    lens = context_lens.long()
+    length = max(int(lens.max()), 1)
+    j = torch.arange(length)
+    pages = block_table[:batch, (j // block_size).clamp(max=block_table.shape[1] - 1)].long()  # [B, L]
+    keys, values = key_cache[pages, j % block_size], value_cache[pages, j % block_size]  # [B, L, Hkv, D]
+    group = heads // kv_heads
+    q = query.float().view(batch, kv_heads, group, dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", q, keys.float()) * scale_value
+    valid = j[None, :] < lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    o = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1).nan_to_num(0.0), values.float())
+    out.copy_(o.reshape(batch, heads, dim))
+
+
+def _flash_attention_qlens(
+    query, key_cache, value_cache, block_table, mask, seq_len, context_lens, num_kv_heads, num_heads, scale_value, out
+):
+    _require(query.dtype in HALF, f"_npu_flash_attention_qlens: query must be float16/bfloat16, got {query.dtype}")
+    blocks, block_size, kv_heads, dim = _check_cache("key_cache", key_cache, query.dtype)
+    _check_cache("value_cache", value_cache, query.dtype)
+    _require((kv_heads, num_kv_heads * 0 + kv_heads) == (num_kv_heads, kv_heads), "num_kv_heads disagrees")
+    tokens = query.shape[0]
+    _require(query.numel() == tokens * num_heads * dim, "query must be [T, Hq*D] or [T, Hq, D]")
+    _require(out.shape == query.shape and out.dtype == query.dtype, "out must be like query")
+    _require(mask.shape == (128, 128) and mask.dtype == query.dtype, "mask: the compressed 128 x 128 one, query dtype")
+    _check_int32("seq_len", seq_len, 1)
+    _check_int32("context_lens", context_lens, 1)
+    _require(seq_len.shape == context_lens.shape, "seq_len and context_lens: one per sequence")
+    _require(int(seq_len.sum()) == tokens, f"seq_len sums to {int(seq_len.sum())}, the query holds {tokens} tokens")
+    _require(bool((seq_len <= context_lens).all()), "a sequence's new tokens exceed its context")
+    _check_block_table(block_table, seq_len.shape[0], context_lens, block_size, blocks)
+    q = query.view(tokens, num_heads, dim)
+    o = out.view(tokens, num_heads, dim)
+    start = 0
+    for b in range(seq_len.shape[0]):
+        n, total = int(seq_len[b]), int(context_lens[b])
+        keys = _paged_keys(key_cache, block_table, b, total, block_size)
+        values = _paged_keys(value_cache, block_table, b, total, block_size)
+        # Causal from the bottom right: new token i sees the cached prefix and new tokens 0..i.
+        allowed = torch.arange(total)[None, :] <= (total - n + torch.arange(n))[:, None]
+        o[start : start + n] = _attend(q[start : start + n], keys, values, scale_value, allowed)
+        start += n
+
+
+_ATB_SCHEMAS = {
+    "_npu_reshape_and_cache": (
+        "_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_indices) -> ()",
+        _reshape_and_cache,
+    ),
+    "_npu_paged_attention": (
+        "_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, int num_heads, "
+        "float scale_value, Tensor block_table, Tensor context_lens, Tensor(a!) out, *,Tensor? workspace=None) -> ()",
+        _paged_attention,
+    ),
+    "_npu_flash_attention_qlens": (
+        "_npu_flash_attention_qlens(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor mask, Tensor seq_len, Tensor context_lens, int num_kv_heads, int num_heads, float scale_value, "
+        "Tensor(a!) out) -> ()",
+        _flash_attention_qlens,
+    ),
+}
+# The host arguments each ATB operator reads when launched (argument index), and the update() key that rewrites
+# it (Ascend/pytorch:torch_npu/npu/_npugraph_handlers/simple_handler.py).
+HOST_ARGS = {"_npu_paged_attention.default": {7: "context_lens"}}
+_LIBRARY = None
+
+
+def _register_atb_ops() -> None:
+    """Once per process (a library cannot define an operator twice): torch.ops.atb.<name> with the real schemas."""
+    global _LIBRARY
+    if hasattr(torch.ops.atb, "_npu_paged_attention"):
+        return
+    _LIBRARY = torch.library.Library("atb", "DEF")
+    for name, (schema, impl) in _ATB_SCHEMAS.items():
+        _LIBRARY.define(schema)
+        _LIBRARY.impl(name, impl, "CPU")
+    torch._fake_torch_npu_atb_library = _LIBRARY  # kept alive with torch, whichever copy of this file made it
+
+
+def npu_rms_norm(self, gamma, epsilon=1e-6):
+    pairs = {
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+    }
+    _require((self.dtype, gamma.dtype) in pairs, f"npu_rms_norm: no kernel for ({self.dtype}, {gamma.dtype})")
+    _require(2 <= self.dim() <= 8, f"npu_rms_norm: self must have 2-8 dims, got {self.dim()}")
+    n = gamma.dim()
+    _require(tuple(gamma.shape) == tuple(self.shape[-n:]), "npu_rms_norm: gamma must be self's trailing shape")
+    dims = tuple(range(-n, 0))
+    x = self.float()
+    rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + epsilon)
+    return (x * rstd * gamma.float()).to(self.dtype), rstd
+
+
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    _require(x1.dtype in FLOATS and x2.dtype == x1.dtype and gamma.dtype == x1.dtype, "npu_add_rms_norm: one dtype")
+    _require(x1.shape == x2.shape, "npu_add_rms_norm: x1 and x2 differ in shape")
+    summed = x1.float() + x2.float()
+    y, rstd = npu_rms_norm(summed, gamma.float(), epsilon)
+    return y.to(x1.dtype), rstd, summed.to(x1.dtype)
+
+
+def npu_swiglu(input, dim=-1):  # noqa: A002 (torch_npu's name)
+    _require(input.dtype in FLOATS, f"npu_swiglu: no kernel for {input.dtype}")
+    _require(input.is_contiguous(), "npu_swiglu: the input must be contiguous")
+    _require(input.shape[dim] % 2 == 0, "npu_swiglu: the split dimension must be even")
+    a, b = input.float().chunk(2, dim=dim)
+    return (torch.nn.functional.silu(a) * b).to(input.dtype)
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A002
+    _require(rotary_mode == "half" and rotate is None, "not faked: interleave mode, rotate matrix")
+    _require(input.dim() in (3, 4), f"npu_rotary_mul: input must be 3-D or 4-D, got {input.dim()}")
+    _require(r1.dtype == input.dtype == r2.dtype, "npu_rotary_mul: input, r1, r2 in one dtype")
+    _require(r1.shape == r2.shape and r1.dim() == input.dim(), "npu_rotary_mul: r1/r2 shaped like input")
+    d = input.shape[-1]
+    _require(d % 2 == 0 and d < 896, f"npu_rotary_mul: D must be even and below 896, got {d}")
+    # Half mode broadcasts r1/r2 over heads only (layouts 1S1D, BS1D, BSND for BSND input; T1D, TND for TND).
+    _require(r1.shape[-1] == d and r1.shape[-2] in (1, input.shape[-2]), "npu_rotary_mul: r1 layout")
+    _require(r1.shape[-3] == input.shape[-3], "npu_rotary_mul: r1 must hold every position of input")
+    x = input.float()
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (x * r1.float() + rotated * r2.float()).to(input.dtype)
+
+
+# --- graphs (torch_npu/npu/graphs.py) ---
+
+
+class FakeNPUGraph(RecordingGraph):
+    """NPUGraph over the recording graph: ATB host arguments are frozen at capture, `update` rewrites them."""
+
+    def __init__(self):
+        super().__init__()
+        self.auto_dispatch_capture = False
+        self.updates = 0
+
+    def _host_records(self):
+        return [i for i, op in enumerate(self.ops) if op[0].__name__ in HOST_ARGS]
+
+    def _set_args(self, i, new_values):
+        func, spec, flat, out = self.ops[i]
+        args, kwargs = tree_unflatten(flat, spec)
+        args = list(args)
+        for index, value in new_values.items():
+            args[index] = value.clone()  # read on the host when the task is (re)issued
+        flat, spec = tree_flatten((tuple(args), kwargs))
+        self.ops[i] = (func, spec, flat, out)
+
+    def capture_end(self):
+        super().capture_end()
+        for i in self._host_records():
+            args, _ = tree_unflatten(self.ops[i][2], self.ops[i][1])
+            self._set_args(i, {index: args[index] for index in HOST_ARGS[self.ops[i][0].__name__]})
+
+    def update(self, cpu_update_input):
+        if not self.auto_dispatch_capture:
+            raise RuntimeError(
+                "The current graph configuration does not support update, Try to capture by setting "
+                "auto_dispatch_capture=True during capture"
+            )
+        records = self._host_records()
+        if len(cpu_update_input) == 1:
+            cpu_update_input = [dict(cpu_update_input[0]) for _ in records]
+        if len(cpu_update_input) != len(records):
+            raise RuntimeError(f"{len(records)} operators to update, {len(cpu_update_input)} inputs")
+        for i, update in zip(records, cpu_update_input, strict=True):
+            func, spec, flat, _ = self.ops[i]
+            args, _ = tree_unflatten(flat, spec)
+            new = {}
+            for index, key in HOST_ARGS[func.__name__].items():
+                if key in update:
+                    _require(update[key].shape == args[index].shape, f"update of {key}: the captured shape")
+                    new[index] = update[key]
+            self._set_args(i, new)
+        self.updates += 1
+
+
+class fake_graph:  # noqa: N801 (torch.npu.graph)
+    def __init__(self, npu_graph, pool=None, stream=None, auto_dispatch_capture=False, capture_error_mode="global"):
+        self.graph, self.pool, self.mode = npu_graph, pool, capture_error_mode
+        npu_graph.auto_dispatch_capture = auto_dispatch_capture
+
+    def __enter__(self):
+        self.graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
+
+    def __exit__(self, *exc):
+        self.graph.capture_end()
+
+
+def make_fake_torch_npu(npu: FakeNpu | None = None, *, atb: bool = True, graphs: bool = True) -> types.ModuleType:
+    """A torch_npu with its operators (atb=False: NNAL missing, no torch.ops.atb) and NPU graphs."""
+    npu = npu or FakeNpu()
+    module = make_torch_npu(npu)
+    if graphs:
+        npu.NPUGraph, npu.graph, npu.graph_pool_handle = FakeNPUGraph, fake_graph, new_pool
+    if atb:
+        _register_atb_ops()
+        for name in _ATB_SCHEMAS:
+            setattr(module, name, getattr(torch.ops.atb, name))
+    for fn in (npu_rms_norm, npu_add_rms_norm, npu_swiglu, npu_rotary_mul):
+        setattr(module, fn.__name__, fn)
+    return module

@@ -32,13 +32,13 @@ fake = _load_fake()
 
 def test_identity():
     platform = default_registry().get("npu")
-    assert isinstance(platform, NpuPlatform)
-    assert (platform.name, platform.torch_device_type, platform.dispatch_key) == ("npu", "npu", "PrivateUse1")
-    assert platform.graph_api() is None  # no graph runner yet: `omnirun env` must not claim NPU graphs
-    assert platform.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
-    assert platform.distributed_backend == "hccl"
-    assert platform.extra == "npu" and platform.vendor_packages == ("torch-npu",)
-    assert platform.auto_priority == 90
+    assert isinstance(platform, NpuPlatform)  # the npu-fake lane registers a subclass standing on the host
+    real = NpuPlatform()
+    assert (real.name, real.torch_device_type, real.dispatch_key) == ("npu", "npu", "PrivateUse1")
+    assert real.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
+    assert real.distributed_backend == "hccl"
+    assert real.extra == "npu" and platform.vendor_packages == ("torch-npu",)
+    assert real.auto_priority == 90
 
 
 def test_probe_without_torch_npu_names_the_extra(monkeypatch):
@@ -93,9 +93,14 @@ def test_probe_turns_a_failing_import_into_a_one_line_reason(monkeypatch, error,
         platform.current_device()
 
 
+def _without_fake_lane() -> dict[str, str]:
+    """The environment minus the npu-fake lane's switch: these children test the real platform's own imports."""
+    return {k: v for k, v in os.environ.items() if k != "OMNIRUN_FAKE_LANE"}
+
+
 def _run_python(code: str, fake_torch_npu_dir: Path) -> None:
     env = {
-        **os.environ,
+        **_without_fake_lane(),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(fake_torch_npu_dir), os.environ.get("PYTHONPATH")])),
     }
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -135,6 +140,7 @@ def test_platform_against_fake_torch_npu_in_its_own_process(request):
         capture_output=True,
         text=True,
         cwd=request.config.rootpath,
+        env=_without_fake_lane(),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert " passed" in result.stdout and "skipped" not in result.stdout

@@ -1,0 +1,211 @@
+"""The ascend backend, NPU graphs and torch_npu fused ops against the references, over the fake torch_npu.
+
+They run in every lane: the fake computes with torch on CPU tensors (it registers torch.ops.atb once per process).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnirun.attention.backend import AttentionContext, AttentionLayerSpec
+from omnirun.attention.torch_native import TorchNativeAttention
+from omnirun.batch import build_batch
+from omnirun.errors import ConfigError
+from omnirun.layers import native_ops
+from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
+from omnirun.testing import fill_prefixes
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import fake_torch_npu as fake  # noqa: E402
+
+CONTEXT_LEN, HEAD_DIM, PREFIX_LENS = 96, 32, [0, 9, 40, 70]
+DTYPE = torch.bfloat16
+
+
+@pytest.fixture
+def torch_npu(monkeypatch):
+    module = fake.make_fake_torch_npu()
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    return module
+
+
+def _lane():
+    spec = importlib.util.spec_from_file_location("omnirun_npu_fake_lane", HERE / "fake_lane.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fake_npu(torch_npu):
+    return _lane().FakeNpuPlatform()
+
+
+def _setup(page_size, heads, kv_heads, window=None, kv_dtype=DTYPE, model_dtype=DTYPE):
+    torch.manual_seed(3)
+    num_pages = 600 // page_size
+    slots = (num_pages + 1) * page_size
+    cache = PagedKVCache(1, slots, kv_heads, HEAD_DIM, kv_dtype, "cpu", page_size)
+    for buf in cache.k_buffers + cache.v_buffers:
+        buf[page_size:] = torch.randn(slots - page_size, kv_heads, HEAD_DIM).to(kv_dtype)
+    kv = KVMemory(PageAllocator(num_pages, page_size), ReqToTokenPool(6, CONTEXT_LEN, "cpu"), cache, page_size)
+    context = AttentionContext(kv, torch.device("cpu"), model_dtype, heads, kv_heads, HEAD_DIM, CONTEXT_LEN)
+    return kv, context, AttentionLayerSpec(0, heads, kv_heads, HEAD_DIM, HEAD_DIM**-0.5, window)
+
+
+def _forward(make, shape, new_lens):
+    kv, context, layer = _setup(*shape)
+    rows = fill_prefixes(kv, PREFIX_LENS)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (
+        torch.randn(sum(new_lens), n * HEAD_DIM, generator=gen).to(DTYPE) for n in (shape[1], shape[2], shape[2])
+    )
+    batch = build_batch(kv, rows, PREFIX_LENS, [[1] * n for n in new_lens], context.device)
+    backend = make(context)
+    backend.init_forward_metadata(batch)
+    return backend.forward(q, k, v, layer, batch), kv
+
+
+SHAPES = [(1, 4, 4), (16, 8, 2), (16, 8, 1, 24), (1, 4, 2, 9)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("new_lens", [[1, 1, 1, 1], [5, 1, 17, 9]], ids=["decode", "extend"])
+def test_ascend_equals_torch_native(torch_npu, shape, new_lens):
+    from omnirun.devices.npu.ascend_attention import AscendAttention
+
+    got, kv_got = _forward(AscendAttention, shape, new_lens)
+    expected, kv_expected = _forward(TorchNativeAttention, shape, new_lens)
+    torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    assert torch.equal(kv_got.kv_cache.k_buffers[0], kv_expected.kv_cache.k_buffers[0])  # the same slots written
+
+
+def test_refuses_float32_and_other_kv_dtypes(torch_npu):
+    from omnirun.devices.npu.ascend_attention import AscendAttention
+
+    with pytest.raises(ConfigError, match="pass --dtype bfloat16"):
+        AscendAttention(_setup(1, 4, 4, model_dtype=torch.float32, kv_dtype=torch.float32)[1])
+    with pytest.raises(ConfigError, match="pass --kv-cache-dtype auto"):
+        AscendAttention(_setup(1, 4, 4, kv_dtype=torch.float16)[1])
+
+
+def test_a_cache_in_the_wrong_layout_fails_in_the_fake(torch_npu):
+    query = torch.randn(2, 4, HEAD_DIM).to(DTYPE)
+    cache = torch.randn(8, 4, 16, HEAD_DIM).to(DTYPE).transpose(1, 2)  # [blocks, 16, heads, D] but HND in memory
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(fake.AtbCheckError, match="contiguous"):
+        torch_npu._npu_paged_attention(
+            query, cache, cache, 4, 4, 1.0, table, torch.tensor([3, 5], dtype=torch.int32), torch.empty_like(query)
+        )
+    with pytest.raises(fake.AtbCheckError, match="int32"):
+        torch_npu._npu_paged_attention(
+            query,
+            cache.contiguous(),
+            cache.contiguous(),
+            4,
+            4,
+            1.0,
+            table.long(),
+            torch.tensor([3, 5]),
+            torch.empty_like(query),
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_ops_match_the_references(torch_npu, dtype):
+    from omnirun.devices.npu.ascend_ops import ascend_fused_ops
+
+    ops = ascend_fused_ops(torch_npu)
+    assert set(ops) == {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding"}
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    x, r, w = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype), torch.randn(64).to(dtype)
+    torch.testing.assert_close(ops["rms_norm"](x, w, 1e-6), native_ops.rms_norm(x, w, 1e-6), **tol)
+    for g, e in zip(ops["add_rms_norm"](x, r, w, 1e-6), native_ops.add_rms_norm(x, r, w, 1e-6), strict=True):
+        torch.testing.assert_close(g, e, **tol)
+    torch.testing.assert_close(ops["silu_and_mul"](x), native_ops.silu_and_mul(x), **tol)
+    table, pos = torch.randn(64, 32), torch.tensor([0, 3, 9, 17, 63])
+    q, k = torch.randn(5, 4 * 32).to(dtype), torch.randn(5, 2 * 32).to(dtype)
+    for g, e in zip(
+        ops["rotary_embedding"](pos, q, k, table, 32), native_ops.rotary_embedding(pos, q, k, table, 32), strict=True
+    ):
+        torch.testing.assert_close(g, e, **tol)
+    # Outside the kernels' constraints (a weight of another dtype, an odd head size): the references.
+    w16 = w.to(torch.float16 if dtype == torch.bfloat16 else torch.bfloat16)
+    torch.testing.assert_close(ops["rms_norm"](x, w16, 1e-6), native_ops.rms_norm(x, w16, 1e-6))
+    for g, e in zip(ops["add_rms_norm"](x, r, w16, 1e-6), native_ops.add_rms_norm(x, r, w16, 1e-6), strict=True):
+        torch.testing.assert_close(g, e)
+    q64 = torch.randn(5, 4 * 32, dtype=torch.float64)  # no kernel for float64
+    for g, e in zip(
+        ops["rotary_embedding"](pos, q64, q64, table, 32),
+        native_ops.rotary_embedding(pos, q64, q64, table, 32),
+        strict=True,
+    ):
+        torch.testing.assert_close(g, e)
+    torch.testing.assert_close(ops["silu_and_mul"](q64), native_ops.silu_and_mul(q64))
+
+
+def test_platform_offers_ascend_graphs_and_ops(fake_npu):
+    assert fake_npu.attention_backends() == ("ascend", "torch_native")
+    assert fake_npu.default_attention_backend_for("decode", torch.bfloat16) == "ascend"
+    assert fake_npu.default_attention_backend_for("decode", torch.float32) == "torch_native"
+    assert fake_npu.default_attention_backend("prefill") == "torch_native"
+    assert fake_npu.graph_api().name == "npu_graph"
+    assert set(fake_npu.fused_ops()) == {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding"}
+    assert "ascend attention and NPU graphs" in fake_npu.notes()[0]
+
+
+def test_without_nnal_no_ascend_and_no_graphs(fake_npu, monkeypatch):
+    monkeypatch.setattr("omnirun.devices.npu.platform.atb_op_registered", lambda name: False)
+    assert fake_npu.attention_backends() == ("torch_native",)
+    assert fake_npu.graph_api() is None
+    assert fake_npu.default_attention_backend_for("decode", torch.bfloat16) == "torch_native"
+    assert "NNAL" in fake_npu.notes()[0]
+
+
+def test_without_torch_npu_nothing_vendor(monkeypatch):
+    from omnirun.devices.npu.platform import NpuPlatform
+
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, p=None: None if n == "torch_npu" else real(n, p))
+    platform = _lane().FakeNpuPlatform()
+    assert platform.attention_backend_factories() == {} and platform.graph_api() is None
+    assert platform.device_fused_ops() == {}
+    assert NpuPlatform().notes() == ()  # unavailable: the probe's reason says why
+
+
+def test_graph_replay_rewrites_the_host_lengths(torch_npu):
+    """Capture one decode step, then replay it for longer contexts: only NPUGraph.update carries the new lengths."""
+    from omnirun.devices.npu.ascend_attention import AscendAttention
+    from omnirun.devices.npu.npu_graphs import npu_graph_api
+
+    kv, context, layer = _setup(16, 8, 2)
+    rows = fill_prefixes(kv, [9, 30])
+    backend = AscendAttention(context)
+    backend.init_graph_state(2)
+    api = npu_graph_api(torch_npu)
+    q = torch.randn(2, 8 * HEAD_DIM).to(DTYPE)
+    k = torch.randn(2, 2 * HEAD_DIM).to(DTYPE)
+    batch = captured = build_batch(kv, rows, [9, 30], [[1], [1]], context.device)
+    backend.init_forward_metadata_capture(batch)
+    graph = api.new_graph()
+    with torch.inference_mode(), api.capture(graph, pool=api.new_pool()):
+        out = backend.forward(q, k, k, layer, batch)
+    assert set(graph.host_inputs) == {"context_lens"}
+    batch = build_batch(kv, rows, [10, 31], [[1], [1]], context.device)
+    backend.init_forward_metadata_replay(batch, 2)
+    captured.out_cache_loc.copy_(batch.out_cache_loc)  # the static input the graph runner rewrites
+    with torch.inference_mode():
+        graph.replay()
+    assert graph.graph.updates == 1
+    eager = TorchNativeAttention(context)
+    eager.init_forward_metadata(batch)
+    torch.testing.assert_close(out.float(), eager.forward(q, k, k, layer, batch).float(), atol=3e-2, rtol=3e-2)
+    graph.reset()
+    assert not graph.host_inputs and graph.pool() is not None
