@@ -1,4 +1,9 @@
-"""The CPU platform: the host processor, its memory read from the OS, gloo for collectives."""
+"""The CPU platform: the host processor, its memory read from the OS, gloo for collectives.
+
+Where a CPU build of intel-extension-for-pytorch is installed and matches torch (IPEX X.Y needs torch X.Y), it
+adds the `ipex` attention backend (on request: torch_native stays the default until ipex is measured against it)
+and IPEX's rms norms as fused ops (devices/ipex_*.py, shared with the xpu platform). Without one, nothing changes.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,10 @@ from typing import Any
 import torch
 
 from omnirun.devices.cpu.host_memory import OwnUseTracker, host_memory_info, peak_rss, reset_peak_rss, resident_bytes
+from omnirun.devices.ipex_support import IPEX, ipex_notes, ipex_status
 from omnirun.host_event import HostEvent
 from omnirun.memory import PagedKVCache
-from omnirun.platform import Capabilities, Platform, ProbeResult
+from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
 
 
 class CpuPlatform(Platform):
@@ -92,7 +98,27 @@ class CpuPlatform(Platform):
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
         from omnirun.devices.cpu import packed_linear
 
-        return {"linear": packed_linear.linear, "prepare_linear": packed_linear.prepare_linear}
+        ops = {"linear": packed_linear.linear, "prepare_linear": packed_linear.prepare_linear}
+        if ipex_status("cpu").usable:
+            from omnirun.devices.ipex_ops import ipex_fused_ops  # imports IPEX
+
+            ops.update(ipex_fused_ops("cpu", fallback={}))
+        return ops
+
+    # --- IPEX, where a matching CPU build is installed ---
+    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
+        if not ipex_status("cpu").usable:
+            return {}
+        from omnirun.devices.ipex_attention import build_ipex_attention  # imports no IPEX until a backend is built
+
+        return {IPEX: build_ipex_attention("cpu")}
+
+    def default_attention_backend(self, mode: AttentionMode) -> str:
+        # torch_native (measured here, bench/results_cpu_*.json); ipex only on request until it is measured too.
+        return next(name for name in self.attention_backends() if name != IPEX)
+
+    def notes(self) -> tuple[str, ...]:
+        return ipex_notes("cpu")
 
     def empty_cache(self) -> None:
         """Nothing to do: torch's CPU allocator hands freed memory back to the OS itself."""

@@ -1,1 +1,1 @@
-"""Intel GPUs as an omnirun device, through torch's own torch.xpu; intel-extension-for-pytorch is not used."""
+"""Intel GPUs as an omnirun device, through torch's own torch.xpu; IPEX parts where a matching IPEX is installed."""

@@ -1,18 +1,25 @@
 """The XPU platform: Intel GPUs through torch's own `torch.xpu` (torch >= 2.8), xccl for collectives.
 
-intel-extension-for-pytorch is not used: every fact and control here comes from stock torch.
+Every fact and control comes from stock torch. Decode graphs use torch.xpu.XPUGraph where this torch has it
+(torch >= 2.11). Where intel-extension-for-pytorch is installed *and* matches torch (IPEX X.Y needs torch X.Y), it
+adds the `ipex` attention backend and IPEX's fused ops (devices/ipex_*.py, shared with the cpu platform). IPEX's
+last release pins torch 2.10, which has no XPUGraph: on real installs IPEX and XPU graphs never meet.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omnirun.platform import Capabilities, Platform, ProbeResult
+from omnirun.devices.ipex_support import IPEX, ipex_notes, ipex_status
+from omnirun.graphs import GraphAPI
+from omnirun.kernels import portable_fused_ops
+from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
 
 AFFINITY_MASK_ENV = "ZE_AFFINITY_MASK"
 
@@ -24,7 +31,7 @@ class XpuPlatform(Platform):
     visible_devices_env = AFFINITY_MASK_ENV
     distributed_backend = "xccl"  # built into torch's XPU wheels since 2.8; replaces oneCCL's "ccl" binding
     extra = "xpu"
-    vendor_packages = ("pytorch-triton-xpu",)
+    vendor_packages = ("pytorch-triton-xpu", "intel-extension-for-pytorch")
     auto_priority = 80
 
     def _probe(self) -> ProbeResult:
@@ -40,8 +47,12 @@ class XpuPlatform(Platform):
             return ProbeResult.unavailable(_no_device_reason())
         return ProbeResult.ok(count)
 
+    def _device_properties(self) -> Any:
+        """torch's properties of the current device: name, fp16/bf16 support, integrated or not."""
+        return torch.xpu.get_device_properties(self.current_device())
+
     def _capabilities(self) -> Capabilities:
-        props = torch.xpu.get_device_properties(self.current_device())
+        props = self._device_properties()
         return Capabilities(
             device_name=props.name,
             model_dtypes=_model_dtypes(props),
@@ -52,8 +63,61 @@ class XpuPlatform(Platform):
             async_execution=True,
         )
 
-    # No graph_api() yet: torch.xpu.XPUGraph (torch >= 2.11) could capture decode steps, but that path was never
-    # run on an Intel GPU, so decode runs eagerly until it is tested there.
+    # --- graphs ---
+    def graph_api(self) -> GraphAPI | None:
+        return xpu_graph_api(torch.xpu)
+
+    def make_graph_runner(self, runner: Any) -> Any | None:
+        # No graph runner (and no graph memory out of the KV pool) where the decode backend cannot be captured:
+        # torch_native reads lengths on the host; ipex pads head dims that are not a multiple of 64 through a sync.
+        config = runner.config
+        decode = (
+            config.decode_attention_backend
+            or config.attention_backend
+            or self.default_attention_backend_for("decode", runner.dtype)
+        )
+        if decode == TORCH_NATIVE:
+            return None
+        if decode == IPEX:
+            from omnirun.devices.ipex_attention import graph_capturable
+
+            if not graph_capturable("xpu", runner.shape.head_dim):
+                return None
+        return super().make_graph_runner(runner)
+
+    # --- attention and fused ops ---
+    def _ipex_usable(self) -> bool:
+        return ipex_status("xpu").usable
+
+    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
+        if not self._ipex_usable():
+            return {}
+        from omnirun.devices.ipex_attention import build_ipex_attention  # imports no IPEX until a backend is built
+
+        return {IPEX: build_ipex_attention("xpu")}
+
+    def attention_backends(self) -> tuple[str, ...]:
+        # ipex after triton (where triton runs) and before torch_native, the reference, which stays last.
+        from omnirun.attention.registry import portable_backends
+
+        portable = portable_backends(self.capabilities)
+        return portable[:-1] + tuple(self.attention_backend_factories()) + portable[-1:]
+
+    def default_attention_backend(self, mode: AttentionMode) -> str:
+        # ipex only on request, as flashinfer on cuda and aiter on rocm: it has never run on an Intel GPU here, and
+        # it computes in bf16/fp16 only. triton where pytorch-triton-xpu runs (torch's XPU wheels bring it), else
+        # torch_native, which serve every model dtype.
+        return next(name for name in self.attention_backends() if name != IPEX)
+
+    def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
+        if not self._ipex_usable():
+            return {}
+        from omnirun.devices.ipex_ops import ipex_fused_ops  # imports IPEX
+
+        return ipex_fused_ops("xpu", fallback=portable_fused_ops(self.capabilities))
+
+    def notes(self) -> tuple[str, ...]:
+        return ipex_notes("xpu")
 
     def memory_info(self, index: int | None = None) -> tuple[int, int]:
         device = self.device(index)
@@ -68,6 +132,19 @@ class XpuPlatform(Platform):
             total = props.total_memory
             free = total - torch.xpu.memory_reserved(device)
         return int(free), int(total)
+
+
+TORCH_NATIVE = "torch_native"  # the portable backend no graph can capture
+_GRAPH_API = ("XPUGraph", "graph", "graph_pool_handle")
+
+
+def xpu_graph_api(module: Any) -> GraphAPI | None:
+    """torch.xpu's graph API (`module`: torch.xpu, or a stand-in with the same three names), None where this torch
+    lacks it. Gated on the attributes, not the version: XPUGraph arrived in torch 2.11 (pytorch issue #180168).
+    torch.xpu.graph takes (xpu_graph, pool=None, stream=None), no capture_error_mode (torch/xpu/graphs.py)."""
+    if not all(hasattr(module, name) for name in _GRAPH_API):
+        return None
+    return GraphAPI("xpu_graph", new_graph=module.XPUGraph, capture=module.graph, new_pool=module.graph_pool_handle)
 
 
 def _torch_has_xpu() -> bool:

@@ -158,3 +158,27 @@ def write_package():
         return package
 
     return write
+
+
+@pytest.fixture
+def install_ipex(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """install_ipex(build="xpu", version=None) -> the fake IPEX module, in sys.modules with pip's metadata on
+    sys.path (version None: one that matches this torch). Undone after the test."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        from fake_ipex import install_metadata, make_ipex, matching_version
+    finally:
+        _sys.path.pop(0)
+
+    def install(build: str = "xpu", version: str | None = None):
+        version = version or matching_version(build)
+        module = make_ipex(build, version)
+        root = tmp_path / f"ipex-{build}-{version}"
+        install_metadata(root, version)
+        monkeypatch.syspath_prepend(str(root))
+        monkeypatch.setitem(_sys.modules, "intel_extension_for_pytorch", module)
+        return module
+
+    return install

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from omnirun.devices.xpu.platform import XpuPlatform
+from omnirun.devices.xpu.platform import XpuPlatform, xpu_graph_api
 from omnirun.errors import DeviceUnavailableError
 
 # A triton whose import would fail the test: the platform must only look at it on disk.
@@ -39,9 +39,15 @@ def test_fp8_is_the_ocp_flavour(fake_xpu) -> None:
     assert caps.kv_cache_dtypes[-2:] == (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def test_no_graph_runner_even_where_torch_has_xpu_graph(monkeypatch: pytest.MonkeyPatch, fake_xpu) -> None:
-    # XPUGraph capture was never run on an Intel GPU: decode stays eager, and nothing claims graphs.
-    monkeypatch.setattr(torch.xpu, "XPUGraph", type("XPUGraph", (), {}), raising=False)
+def test_graph_api_follows_the_attributes(monkeypatch: pytest.MonkeyPatch, fake_xpu) -> None:
+    # torch >= 2.11 has XPUGraph / graph / graph_pool_handle; earlier XPU builds lack them: eager decode.
+    module = type("xpu", (), {"XPUGraph": object, "graph": object, "graph_pool_handle": object})
+    api = xpu_graph_api(module)
+    assert api.name == "xpu_graph" and api.new_graph is object
+    delattr(module, "graph_pool_handle")
+    assert xpu_graph_api(module) is None
+    for name in ("XPUGraph", "graph", "graph_pool_handle"):
+        monkeypatch.delattr(torch.xpu, name, raising=False)
     assert XpuPlatform().graph_api() is None
 
 
@@ -52,7 +58,7 @@ def test_no_triton_installed(monkeypatch: pytest.MonkeyPatch, fake_xpu) -> None:
     )
     platform = XpuPlatform()
     assert not platform.capabilities.supports_triton
-    assert platform.attention_backends() == ("torch_native",)
+    assert "triton" not in platform.attention_backends() and platform.attention_backends()[-1] == "torch_native"
 
 
 @pytest.fixture
@@ -69,8 +75,9 @@ def test_triton_with_intel_backend(
     monkeypatch.syspath_prepend(tmp_path)
     platform = XpuPlatform()
     assert platform.capabilities.supports_triton
-    # Listing the backends (triton's joins when its kernels land) must not import triton either.
-    assert platform.attention_backends()[-1] == "torch_native"
+    # Listing the backends and ops must not import triton either (the gate reads capabilities only).
+    assert platform.attention_backends()[0] == "triton" and platform.attention_backends()[-1] == "torch_native"
+    assert platform.default_attention_backend("decode") == "triton"
     assert "triton" not in sys.modules
 
 

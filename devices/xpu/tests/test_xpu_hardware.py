@@ -14,7 +14,10 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def xpu() -> XpuPlatform:
-    return XpuPlatform()
+    # The registered one: the real platform, or in the xpu-fake lane the fake device standing in for it.
+    from omnirun.registry import default_registry
+
+    return default_registry().platforms["xpu"]
 
 
 def test_probe_and_capabilities(xpu: XpuPlatform) -> None:

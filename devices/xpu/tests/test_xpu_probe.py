@@ -20,7 +20,7 @@ def test_identity() -> None:
     assert platform.visible_devices_env == "ZE_AFFINITY_MASK"
     assert platform.distributed_backend == "xccl"
     assert platform.extra == "xpu"
-    assert platform.vendor_packages == ("pytorch-triton-xpu",)
+    assert platform.vendor_packages == ("pytorch-triton-xpu", "intel-extension-for-pytorch")
     assert platform.auto_priority == 80
 
 

@@ -1,0 +1,69 @@
+"""XpuPlatform's IPEX parts and graph runner choice, on a stubbed torch.xpu with the fake IPEX installed or not."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from omnirun.devices.xpu.platform import XpuPlatform
+from omnirun.env_report import _cells, platform_row
+
+
+@pytest.fixture
+def no_triton(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr("omnirun.devices.xpu.platform._intel_triton_installed", lambda: False)
+
+
+def test_matching_ipex_is_offered_on_request(fake_xpu, install_ipex, no_triton) -> None:
+    install_ipex("xpu")
+    platform = XpuPlatform()
+    assert platform.attention_backends() == ("ipex", "torch_native")
+    # On request only: torch_native stays the default where triton does not run.
+    assert platform.default_attention_backend("decode") == "torch_native"
+    assert sorted(platform.device_fused_ops()) == ["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+    assert platform.notes() == ()
+
+
+def test_ipex_comes_after_triton(monkeypatch: pytest.MonkeyPatch, fake_xpu, install_ipex) -> None:
+    install_ipex("xpu")
+    monkeypatch.setattr("omnirun.devices.xpu.platform._intel_triton_installed", lambda: True)
+    platform = XpuPlatform()
+    assert platform.attention_backends() == ("triton", "ipex", "torch_native")
+    assert platform.default_attention_backend("prefill") == "triton"
+
+
+def test_mismatched_ipex_falls_back_and_env_says_why(
+    monkeypatch: pytest.MonkeyPatch, fake_xpu, install_ipex, no_triton
+) -> None:
+    module = install_ipex("xpu", "2.8.10+xpu")
+    module.llm = None  # importing it would have exited the process: nothing of it may be touched
+    platform = XpuPlatform()
+    assert platform.attention_backends() == ("torch_native",)
+    assert platform.device_fused_ops() == {}
+    found = ".".join(torch.__version__.split(".")[:2])
+    reason = f"ipex: intel-extension-for-pytorch 2.8.10+xpu needs torch 2.8, found {found}"
+    assert platform.notes() == (reason,)
+    row = platform_row(platform)
+    assert row.notes == [reason] and reason in _cells(row)[-1]
+    assert row.packages["intel-extension-for-pytorch"] == "2.8.10+xpu"
+
+
+def _runner(decode: str | None, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> types.SimpleNamespace:
+    config = types.SimpleNamespace(decode_attention_backend=decode, attention_backend=None)
+    return types.SimpleNamespace(
+        config=config, dtype=dtype, shape=types.SimpleNamespace(head_dim=head_dim), max_running_requests=8
+    )
+
+
+def test_graph_runner_only_for_capturable_decode(monkeypatch: pytest.MonkeyPatch, fake_xpu, install_ipex) -> None:
+    install_ipex("xpu")
+    for name in ("XPUGraph", "graph", "graph_pool_handle"):
+        monkeypatch.setattr(torch.xpu, name, object, raising=False)
+    monkeypatch.setattr("omnirun.devices.xpu.platform._intel_triton_installed", lambda: True)
+    platform = XpuPlatform()
+    assert platform.make_graph_runner(_runner(None, 64)) is not None  # triton, the default, captures
+    assert platform.make_graph_runner(_runner("torch_native", 64)) is None
+    assert platform.make_graph_runner(_runner("ipex", 128)) is not None
+    assert platform.make_graph_runner(_runner("ipex", 80)) is None  # IPEX pads 80 through a host sync
