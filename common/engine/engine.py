@@ -21,8 +21,8 @@ import torch
 from omnirun.batch import ForwardMode
 from omnirun.engine.detokenizer import IncrementalDetokenizer
 from omnirun.engine.request import FinishReason, Request
+from omnirun.engine.request_checks import check_request
 from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
-from omnirun.errors import ConfigError
 from omnirun.memory.radix_cache import RadixCache
 from omnirun.runner import ModelRunner
 from omnirun.sampling import SamplingParams, TokenHistory
@@ -130,33 +130,9 @@ class Engine:
 
         `detokenize` keeps its text step by step (for streams); requests with stop strings always do.
         """
-        prompt_ids = [int(t) for t in prompt_ids]
-        context = self.runner.context_length
-        vocab = self.runner.shape.vocab_size
-        if not prompt_ids:
-            raise ConfigError("an empty prompt has no token to continue from: give at least one token")
-        if len(prompt_ids) >= context:
-            raise ConfigError(
-                f"the prompt has {len(prompt_ids)} tokens, the context length is {context}: shorten the prompt "
-                "or raise --context-length"
-            )
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            bad = min(prompt_ids) if min(prompt_ids) < 0 else max(prompt_ids)
-            raise ConfigError(f"prompt token id {bad} is outside the model's vocabulary: use ids in [0, {vocab})")
-        limit = params.max_new_tokens
-        if limit is not None and len(prompt_ids) + limit > context:
-            raise ConfigError(
-                f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {limit}: together past the context "
-                f"length {context}; use max_new_tokens <= {context - len(prompt_ids)}, or None to stop at the context "
-                "length"
-            )
-        named = [*(params.logit_bias or ()), *params.stop_token_ids]
-        if named and max(named) >= vocab:
-            raise ConfigError(
-                f"token id {max(named)} in logit_bias or stop_token_ids is outside the vocabulary [0, {vocab})"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ConfigError("stop strings need a tokenizer: use stop_token_ids, or load a model with one")
+        prompt_ids = check_request(
+            prompt_ids, params, self.runner.context_length, self.runner.shape.vocab_size, self.tokenizer is not None
+        )
         detokenizer = None
         if self.tokenizer is not None and (detokenize or params.stop):
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
