@@ -2,12 +2,16 @@
 
     python bench/profile_decode.py --preset llama-3-8b --device cuda --batch-size 1
 
-Prints the device kernels by total time (CUDA-graph replays included) and the host ops by self time.
+Prints the device kernels by total time (CUDA-graph replays included) and the host ops by self time, then times
+plain steps (no profiler): wall time per step, and how much of it the host spent waiting for the device. With
+overlap scheduling the host prepares the next step while the device runs this one; when the wait is near zero the
+step is bound by the host's work, not the device's.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -24,6 +28,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=20)
+    parser.add_argument("--timed-steps", type=int, default=20)
     args = parser.parse_args()
     llm = LLM(
         args.preset,
@@ -34,7 +39,7 @@ def main() -> None:
         progress=False,
     )
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_new_tokens=10 * args.steps + 10, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=args.steps + args.timed_steps + 20, ignore_eos=True)
     for prompt in random_prompts(args.batch_size, args.input_len, llm.runner.shape.vocab_size, seed=0):
         engine.add_request(prompt, params)
     for _ in range(5):  # prefill, then warm decode steps
@@ -45,6 +50,41 @@ def main() -> None:
     averages = prof.key_averages()
     print(averages.table(sort_by="device_time_total", row_limit=args.rows, max_name_column_width=60))
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(host_and_device_time(engine, args.timed_steps))
+
+
+def host_and_device_time(engine, steps: int) -> str:
+    """Wall time per step and the part spent waiting for the device's events (the step's tokens), over `steps`."""
+    platform = engine.runner.platform
+    make_event, waited = platform.event, [0.0]
+
+    class TimedEvent:
+        def __init__(self):
+            self._event = make_event()
+
+        def record(self):
+            self._event.record()
+
+        def synchronize(self):
+            start = time.perf_counter()
+            self._event.synchronize()
+            waited[0] += time.perf_counter() - start
+
+    platform.event = TimedEvent
+    try:
+        engine.step()  # its launch made an untimed event; the next steps' are timed
+        platform.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    finally:
+        platform.event = make_event
+    per_step, wait = 1e3 * wall / steps, 1e3 * waited[0] / steps
+    return (
+        f"{steps} steps: {per_step:.3f} ms per step, of which {wait:.3f} ms waiting for the device and "
+        f"{per_step - wait:.3f} ms of host work"
+    )
 
 
 if __name__ == "__main__":

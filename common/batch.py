@@ -123,8 +123,7 @@ def build_batch(
     slots = kv.alloc_step(rows, prefix_lens, ends)
     if slots is None:
         return None
-    out_cache_loc = slots.out_cache_loc
-    positions = torch.cat([torch.arange(start, end) for start, end in zip(prefix_lens, ends, strict=True)])
+    out_cache_loc, positions = slots.out_cache_loc, slots.positions
     flat_ids = torch.tensor([token for ids in new_token_ids for token in ids], dtype=torch.int64)
     rows_t = torch.tensor(rows, dtype=torch.int64)
     seq_lens_cpu = torch.tensor(ends, dtype=torch.int32)

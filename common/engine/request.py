@@ -50,6 +50,11 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_id(self) -> int:
+        """The newest known token (what a decode step feeds), without building `all_ids`."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

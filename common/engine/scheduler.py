@@ -241,7 +241,7 @@ class Scheduler:
                 self.kv,
                 [r.row for r in decoding],
                 [r.num_cached for r in decoding],
-                [[PENDING_TOKEN if r.num_pending else r.all_ids[-1]] for r in decoding],
+                [[PENDING_TOKEN if r.num_pending else r.last_id] for r in decoding],
                 self.device,
             )
             if batch is not None:

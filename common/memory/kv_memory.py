@@ -26,12 +26,13 @@ if TYPE_CHECKING:
 
 
 class StepSlots(NamedTuple):
-    """What `alloc_step` hands a batch: the slots of its new tokens, and the table entries of prefixes shared into
-    its rows since their last batch ([3, n] int64 on the host: rows, positions, slots; None when there are none) --
-    the other ranks of a tensor-parallel group write those from the batch too."""
+    """What `alloc_step` hands a batch: the slots of its new tokens and their positions, and the table entries of
+    prefixes shared into its rows since their last batch ([3, n] int64 on the host: rows, positions, slots; None
+    when there are none) -- the other ranks of a tensor-parallel group write those from the batch too."""
 
     out_cache_loc: torch.Tensor
     prefix_entries: torch.Tensor | None
+    positions: torch.Tensor
 
 
 class KVMemory:
@@ -200,7 +201,8 @@ class KVMemory:
         if num_new == 0:
             if prefix is not None:
                 self._write_table(prefix)
-            return StepSlots(torch.empty(0, dtype=torch.int64), prefix)
+            empty = torch.empty(0, dtype=torch.int64)
+            return StepSlots(empty, prefix, empty)
         starts_t = torch.tensor(starts, dtype=torch.int64)
         req = torch.repeat_interleave(torch.arange(len(rows)), lengths)  # request index of each new position
         offsets = torch.cumsum(lengths, 0) - lengths  # first new position of each request in the batch
@@ -211,7 +213,7 @@ class KVMemory:
         # One host-to-device copy and one indexed write for the whole batch (shared prefixes included).
         index = torch.stack([torch.tensor(rows, dtype=torch.int64)[req], positions, slots])
         self._write_table(index if prefix is None else torch.cat([prefix, index], 1))
-        return StepSlots(slots, prefix)
+        return StepSlots(slots, prefix, positions)
 
     def _write_table(self, index: torch.Tensor) -> None:
         index = index.to(self.req_to_token.device, non_blocking=True)
