@@ -98,6 +98,9 @@ class Platform:
     # Decode batches above this run eagerly: capturing more sizes costs start-up time and pool memory for little
     # gain (at these sizes the device, not the launches, is the bottleneck).
     max_graph_batch_size: ClassVar[int] = 256
+    # Where the device's own attention backends go in `attention_backends()`: first (True), or after the portable
+    # GPU backends (triton) and before torch_native (False: an own backend not yet measured against triton).
+    own_attention_backends_first: ClassVar[bool] = True
 
     @property
     def dispatch_key(self) -> str:
@@ -196,14 +199,35 @@ class Platform:
         return None
 
     def make_graph_runner(self, runner: Any) -> Any | None:
-        """The decode graph runner over `graph_api()`, or None to run eagerly."""
+        """The decode graph runner over `graph_api()`, or None to run eagerly: also where the runner's decode
+        backend cannot be captured (torch_native reads lengths on the host), so that no graph memory is taken out
+        of the KV pool for graphs that would never be captured. A platform with a further condition overrides
+        this and calls super()."""
         api = self.graph_api()
-        if api is None:
+        if api is None or not self.decode_backend_supports_graph(runner):
             return None
         from omnirun.graphs import DecodeGraphRunner
 
         max_batch_size = min(runner.max_running_requests, self.max_graph_batch_size)
         return DecodeGraphRunner(runner, api, max_batch_size=max_batch_size)
+
+    def decode_attention_backend(self, runner: Any) -> str:
+        """The decode backend `runner` builds: the user's choice, else this platform's default for its dtype."""
+        config = runner.config
+        return (
+            config.decode_attention_backend
+            or config.attention_backend
+            or self.default_attention_backend_for("decode", runner.dtype)
+        )
+
+    def decode_backend_supports_graph(self, runner: Any) -> bool:
+        """Whether the decode backend `runner` builds can run in a captured graph, asked of its factory before it
+        is built (`omnirun.attention.registry.factory_supports_graph`)."""
+        from omnirun.attention.registry import attention_factories, factory_supports_graph
+
+        factory = attention_factories(self.attention_backend_factories()).get(self.decode_attention_backend(runner))
+        # An unknown name is the runner's backend choice to refuse (a one-line error naming the offered ones).
+        return factory is None or factory_supports_graph(factory)
 
     # --- collectives ---
     def bind_rank(self, local_rank: int, ranks_per_node: int) -> int:
@@ -241,13 +265,18 @@ class Platform:
         return {}
 
     def attention_backends(self) -> tuple[str, ...]:
-        """Attention backends this device offers, best first: its own, then the portable ones it can run.
-        torch_native runs everywhere and comes last."""
+        """Attention backends this device offers, best first: its own, then the portable ones it can run (or,
+        with `own_attention_backends_first` False, the portable GPU ones first). torch_native runs everywhere and
+        comes last."""
         from omnirun.attention.registry import portable_backends
+        from omnirun.attention.torch_native import TorchNativeAttention
 
         own = tuple(self.attention_backend_factories())
-        portable = portable_backends(self.capabilities)
-        return own + tuple(name for name in portable if name not in own)
+        portable = tuple(name for name in portable_backends(self.capabilities) if name not in own)
+        if self.own_attention_backends_first:
+            return own + portable
+        reference = TorchNativeAttention.name
+        return tuple(n for n in portable if n != reference) + own + tuple(n for n in portable if n == reference)
 
     def default_attention_backend(self, mode: AttentionMode) -> str:
         """The backend used for prefill or decode when the user names none."""

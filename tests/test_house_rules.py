@@ -1,5 +1,5 @@
 """Rules of the design that a test can hold: no vendor import at `import omnirun`, no device branches in common/,
-no device package importing another."""
+no device package importing another (what two share lives in device_shared/)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 
 COMMON = Path(__file__).resolve().parents[1] / "common"
 DEVICES = COMMON.parent / "devices"
+# Where each import package's source lives (pyproject's package-dir mapping).
+IMPORT_NAMES = {"common": "omnirun", "devices": "omnirun.devices", "device_shared": "omnirun.device_shared"}
 TRITON_KERNELS = COMMON / "kernels" / "triton"
 VENDOR_MODULES = ["torch_npu", "intel_extension_for_pytorch", "flashinfer", "aiter", "triton", "sgl_kernel"]
 
@@ -72,56 +74,116 @@ def test_every_package_is_listed_for_installation():
     root = COMMON.parent
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = set()
-    for top, name in ((COMMON, "omnirun"), (root / "devices", "omnirun.devices")):
-        for init in top.rglob("__init__.py"):
-            parts = init.parent.relative_to(top).parts
+    for folder, name in IMPORT_NAMES.items():
+        for init in (root / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(root / folder).parts
             if "tests" not in parts:
                 found.add(".".join((name, *parts)))
     assert found == listed
 
 
-def _device_packages() -> list[str]:
+def _device_packages(devices: Path = DEVICES) -> list[str]:
     """The device packages: folders under devices/ holding a platform.py."""
-    return sorted(p.parent.name for p in DEVICES.glob("*/platform.py"))
+    return sorted(p.parent.name for p in devices.glob("*/platform.py"))
 
 
-def device_package_imports_of_others(root: Path = DEVICES) -> list[str]:
-    """`file: module` for every import, in a device package, of another device package (tests included)."""
-    packages = _device_packages()
+def _imports_of(path: Path, package: str) -> list[str]:
+    """The absolute names of the modules `path` imports; `package` (the file's own package) resolves relative ones.
+    `from omnirun.devices import cuda` names the package in the imported name, not the module: joined then."""
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            modules += [base] if base.count(".") >= 2 else [f"{base}.{alias.name}" for alias in node.names]
+    return modules
+
+
+def layout_import_offenders(root: Path = COMMON.parent) -> list[str]:
+    """`file: module` for each import that breaks the layout: a device package importing another device package
+    (tests included), device_shared/ importing a device package, common/ importing a device package or
+    device_shared. A device package may import its own modules and omnirun.device_shared."""
+    packages = _device_packages(root / "devices")
+    device_names = {f"omnirun.devices.{name}" for name in packages}
+
+    def device_of(module: str) -> str | None:
+        return next((d for d in device_names if module == d or module.startswith(d + ".")), None)
+
     offenders = []
-    for own in packages:
-        for path in (root / own).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    modules = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module:
-                    # `from omnirun.devices import cuda` names the package in the imported name, not the module
-                    base = node.module
-                    modules = [base] if base.count(".") >= 2 else [f"{base}.{alias.name}" for alias in node.names]
+    for folder, top in IMPORT_NAMES.items():
+        for path in (root / folder).rglob("*.py"):
+            rel = path.relative_to(root / folder)
+            package = ".".join((top, *rel.parent.parts))
+            own = device_of(package)
+            for module in _imports_of(path, package):
+                if folder == "common":
+                    bad = (
+                        module.startswith(("omnirun.devices.", "omnirun.device_shared")) or module == "omnirun.devices"
+                    )
                 else:
-                    continue
-                for module in modules:
-                    parts = module.split(".")
-                    if parts[:2] == ["omnirun", "devices"] and len(parts) > 2 and parts[2] in packages:
-                        if parts[2] != own:
-                            offenders.append(f"{path.relative_to(root)}: {module}")
+                    imported = device_of(module)
+                    bad = imported is not None and imported != own
+                if bad:
+                    offenders.append(f"{path.relative_to(root)}: {module}")
     return sorted(set(offenders))
 
 
 def test_no_device_package_imports_another():
-    """Code two devices share (devices/torch_gpu.py for cuda and rocm) lives beside the packages, not in one."""
+    """Code two devices share lives in device_shared/ (torch_gpu for cuda and rocm, ipex_* for xpu and cpu), which
+    imports no device package; common/ imports neither."""
     assert len(_device_packages()) >= 5
-    assert device_package_imports_of_others() == []
+    assert layout_import_offenders() == []
+
+
+def test_devices_holds_only_device_packages():
+    """Shared code under devices/ would read as one device package importing another: it goes to device_shared/."""
+    stray = [p.name for p in DEVICES.iterdir() if p.suffix == ".py" and p.name != "__init__.py"]
+    stray += [
+        p.name for p in DEVICES.iterdir() if p.is_dir() and p.name != "__pycache__" and p.name not in _device_packages()
+    ]
+    assert stray == []
+
+
+def _layout(tmp_path: Path) -> Path:
+    """An empty copy of the layout: common/, device_shared/ and devices/<each device package>/platform.py."""
+    for name in ("common", "device_shared", *(f"devices/{d}" for d in _device_packages())):
+        (tmp_path / name).mkdir(parents=True)
+    for device in _device_packages():
+        (tmp_path / "devices" / device / "platform.py").write_text("")
+    return tmp_path
 
 
 def test_the_device_import_rule_catches_an_import_of_another_package(tmp_path):
-    for name in _device_packages():
-        (tmp_path / name).mkdir()
-    (tmp_path / "rocm" / "platform.py").write_text("from omnirun.devices.cuda.torch_gpu import torch_gpu_build\n")
-    (tmp_path / "npu" / "platform.py").write_text("from omnirun.devices import cpu\nimport omnirun.devices.torch_gpu\n")
-    assert device_package_imports_of_others(tmp_path) == [
-        "npu/platform.py: omnirun.devices.cpu",
-        "rocm/platform.py: omnirun.devices.cuda.torch_gpu",
+    root = _layout(tmp_path)
+    (root / "devices" / "rocm" / "platform.py").write_text(
+        "from omnirun.devices.cuda.torch_gpu import torch_gpu_build\n"
+    )
+    (root / "devices" / "npu" / "platform.py").write_text(
+        "from omnirun.devices import cpu\nimport omnirun.device_shared.torch_gpu\nfrom . import npu_graphs\n"
+    )
+    (root / "devices" / "xpu" / "graphs.py").write_text("from ..cuda import platform\n")
+    assert layout_import_offenders(root) == [
+        "devices/npu/platform.py: omnirun.devices.cpu",
+        "devices/rocm/platform.py: omnirun.devices.cuda.torch_gpu",
+        "devices/xpu/graphs.py: omnirun.devices.cuda",
+    ]
+
+
+def test_the_import_rule_catches_device_shared_or_common_importing_a_device(tmp_path):
+    root = _layout(tmp_path)
+    (root / "device_shared" / "torch_gpu.py").write_text("import torch\nfrom omnirun.devices.rocm import gfx_arch\n")
+    (root / "device_shared" / "ipex_ops.py").write_text("from omnirun.device_shared.ipex_support import IPEX\n")
+    (root / "common" / "registry.py").write_text(
+        "from omnirun.device_shared import torch_gpu\nimport omnirun.devices.cpu\n"
+    )
+    assert layout_import_offenders(root) == [
+        "common/registry.py: omnirun.device_shared.torch_gpu",
+        "common/registry.py: omnirun.devices.cpu",
+        "device_shared/torch_gpu.py: omnirun.devices.rocm",
     ]
 
 

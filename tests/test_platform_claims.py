@@ -7,6 +7,7 @@ import contextlib
 import types
 
 import pytest
+import torch
 
 from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.env_report import platform_row, to_table
@@ -18,11 +19,32 @@ STUB_API = GraphAPI(
 )
 
 
+class CapturableBackend:
+    """Stands in for a backend class whose decode metadata can live in a graph's static buffers."""
+
+    supports_graph = True
+
+
+def _built_eagerly(context):
+    """A factory function (not a backend class) that says its backend cannot be captured."""
+
+
+_built_eagerly.supports_graph = False
+
+
 class GraphCpu(CpuPlatform):
-    """The host CPU handing over a (stand-in) graph API."""
+    """The host CPU handing over a (stand-in) graph API and a capturable backend of its own (its default)."""
 
     def graph_api(self) -> GraphAPI:
         return STUB_API
+
+    def attention_backend_factories(self):
+        return {"capturable": CapturableBackend, "function": lambda context: None, "eager": _built_eagerly}
+
+
+def _runner(running: int = 8, decode: str | None = None, attention: str | None = None) -> types.SimpleNamespace:
+    config = types.SimpleNamespace(decode_attention_backend=decode, attention_backend=attention)
+    return types.SimpleNamespace(config=config, dtype=torch.float32, max_running_requests=running)
 
 
 class NormCpu(CpuPlatform):
@@ -34,11 +56,26 @@ class NormCpu(CpuPlatform):
 
 @pytest.mark.parametrize("running", [4, 1000])
 def test_the_graph_runner_is_built_over_the_platforms_graph_api(running):
-    runner = types.SimpleNamespace(max_running_requests=running)
-    graphs = GraphCpu().make_graph_runner(runner)
+    graphs = GraphCpu().make_graph_runner(_runner(running))
     assert isinstance(graphs, DecodeGraphRunner) and graphs.api is STUB_API
     assert graphs.max_batch_size == min(running, GraphCpu.max_graph_batch_size)
-    assert CpuPlatform().make_graph_runner(runner) is None  # no graph API: eager
+    assert CpuPlatform().make_graph_runner(_runner(running)) is None  # no graph API: eager
+
+
+@pytest.mark.parametrize(
+    ("decode", "attention", "built"),
+    [
+        (None, None, True),  # GraphCpu's default, a capturable class
+        ("torch_native", None, False),  # reads lengths on the host: never captured, so no graph memory reserved
+        (None, "torch_native", False),  # --attention-backend covers decode too
+        ("capturable", "torch_native", True),  # --decode-attention-backend wins for decode
+        ("function", None, True),  # a factory without a flag: the built backend is asked again at capture
+        ("eager", None, False),  # a factory function carrying its class's flag
+    ],
+)
+def test_no_graph_runner_where_the_decode_backend_cannot_be_captured(decode, attention, built):
+    graphs = GraphCpu().make_graph_runner(_runner(decode=decode, attention=attention))
+    assert (graphs is not None) == built
 
 
 def test_the_report_shows_graphs_only_where_a_graph_api_is_built():

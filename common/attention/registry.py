@@ -36,6 +36,15 @@ def portable_backends(capabilities: Capabilities) -> tuple[str, ...]:
     return (TorchNativeAttention.name,)
 
 
+def factory_supports_graph(factory: BackendFactory) -> bool:
+    """Whether the backend `factory` builds can run in a captured graph, as far as is known before it is built:
+    the `supports_graph` flag of a backend class (False for torch_native), or of a factory function that carries
+    one. A factory without a plain flag (a function, or a class whose answer depends on the model) counts as
+    capturable: the graph runner asks the built backend again before it captures and runs eagerly if it cannot."""
+    flag = getattr(factory, "supports_graph", True)
+    return flag if isinstance(flag, bool) else True
+
+
 def attention_factories(platform_factories: Mapping[str, BackendFactory]) -> dict[str, BackendFactory]:
     """The built-ins overlaid with the platform's own (a platform may also replace a built-in with a tuned one)."""
     return {**BUILTIN_BACKENDS, **platform_factories}

@@ -2,7 +2,7 @@
 
 Where a CPU build of intel-extension-for-pytorch is installed and matches torch (IPEX X.Y needs torch X.Y), it
 adds the `ipex` attention backend (on request: torch_native stays the default until ipex is measured against it)
-and IPEX's rms norms as fused ops (devices/ipex_*.py, shared with the xpu platform). Without one, nothing changes.
+and IPEX's rms norms as fused ops (device_shared/ipex_*.py, shared with the xpu platform). Without one, nothing changes.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from omnirun.device_shared.ipex_support import IPEX, ipex_notes, ipex_status
 from omnirun.devices.cpu.host_memory import OwnUseTracker, host_memory_info, peak_rss, reset_peak_rss, resident_bytes
-from omnirun.devices.ipex_support import IPEX, ipex_notes, ipex_status
 from omnirun.host_event import HostEvent
 from omnirun.memory import PagedKVCache
 from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
@@ -100,7 +100,7 @@ class CpuPlatform(Platform):
 
         ops = {"linear": packed_linear.linear, "prepare_linear": packed_linear.prepare_linear}
         if ipex_status("cpu").usable:
-            from omnirun.devices.ipex_ops import ipex_fused_ops  # imports IPEX
+            from omnirun.device_shared.ipex_ops import ipex_fused_ops  # imports IPEX
 
             ops.update(ipex_fused_ops("cpu", fallback={}))
         return ops
@@ -109,7 +109,8 @@ class CpuPlatform(Platform):
     def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
         if not ipex_status("cpu").usable:
             return {}
-        from omnirun.devices.ipex_attention import build_ipex_attention  # imports no IPEX until a backend is built
+        # imports no IPEX until a backend is built
+        from omnirun.device_shared.ipex_attention import build_ipex_attention
 
         return {IPEX: build_ipex_attention("cpu")}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from omnirun.devices.torch_gpu import (
+from omnirun.device_shared.torch_gpu import (
     gpu_model_dtypes,
     torch_cuda_graph_api,
     torch_gpu_build,
@@ -47,6 +47,9 @@ class CudaPlatform(Platform):
     extra = "cuda"
     vendor_packages = ("triton", "flashinfer-python")
     auto_priority = 100
+    # flashinfer goes after the portable GPU backends, not first: triton stays the default until flashinfer is
+    # measured to beat it. torch_native stays last.
+    own_attention_backends_first = False
 
     def _probe(self) -> ProbeResult:
         build = torch_gpu_build()
@@ -95,14 +98,6 @@ class CudaPlatform(Platform):
 
     def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
         return {FLASHINFER: _build_flashinfer} if flashinfer_installed() else {}
-
-    def attention_backends(self) -> tuple[str, ...]:
-        # flashinfer goes after the portable GPU backends, not first: triton stays the default until flashinfer
-        # is measured to beat it. torch_native stays last.
-        from omnirun.attention.registry import portable_backends
-
-        portable = portable_backends(self.capabilities)
-        return portable[:-1] + tuple(self.attention_backend_factories()) + portable[-1:]
 
     def default_attention_backend(self, mode: AttentionMode) -> str:
         # Only on request for now, also where triton does not run (flashinfer needs nvcc for its first kernels).

@@ -19,7 +19,7 @@ from omnirun.errors import DeviceUnavailableError
 from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
 
 ASCEND = "ascend"
-TORCH_NATIVE = "torch_native"  # the portable backend no graph can capture
+TORCH_NATIVE = "torch_native"  # the reference backend, and the default for float32 models
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # The ATB operators the ascend backend calls (registered under torch.ops.atb once NNAL's libatb.so loads).
 ATB_OPS = ("_npu_reshape_and_cache", "_npu_paged_attention", "_npu_flash_attention_qlens")
@@ -123,15 +123,6 @@ class NpuPlatform(Platform):
         from omnirun.devices.npu.npu_graphs import npu_graph_api
 
         return npu_graph_api(torch_npu)
-
-    def make_graph_runner(self, runner: Any) -> Any | None:
-        config = runner.config
-        decode = (
-            config.decode_attention_backend
-            or config.attention_backend
-            or self.default_attention_backend_for("decode", runner.dtype)
-        )
-        return None if decode == TORCH_NATIVE else super().make_graph_runner(runner)
 
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
         torch_npu = self._torch_npu()

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from omnirun.devices.rocm.gfx_arch import GfxArch, fp8_dtypes, gfx_target, has_bf16
-from omnirun.devices.torch_gpu import (
+from omnirun.device_shared.torch_gpu import (
     gpu_model_dtypes,
     torch_cuda_graph_api,
     torch_gpu_build,
     triton_installed,
     visible_devices_note,
 )
+from omnirun.devices.rocm.gfx_arch import GfxArch, fp8_dtypes, gfx_target, has_bf16
 from omnirun.graphs import GraphAPI
 from omnirun.kernels import portable_fused_ops
 from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
@@ -28,7 +28,6 @@ from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
 VISIBILITY_ENVS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 AITER = "aiter"
-TORCH_NATIVE = "torch_native"  # the portable backend no graph can capture
 
 
 def aiter_installed() -> bool:
@@ -51,6 +50,9 @@ class RocmPlatform(Platform):
     extra = "rocm"
     vendor_packages = ("triton", "amd-aiter")
     auto_priority = 100
+    # aiter after triton: it computes in bf16/fp16 only, and has never been measured against triton (nor run on an
+    # AMD GPU by this project). torch_native last.
+    own_attention_backends_first = False
 
     def _probe(self) -> ProbeResult:
         build = torch_gpu_build()
@@ -93,27 +95,8 @@ class RocmPlatform(Platform):
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()  # HIP graphs, behind torch.cuda
 
-    def make_graph_runner(self, runner: Any) -> Any | None:
-        # A decode step on torch_native cannot be captured (it reads lengths on the host): no graph runner, so no
-        # graph memory taken out of the KV pool for graphs that would never be captured.
-        config = runner.config
-        decode = (
-            config.decode_attention_backend
-            or config.attention_backend
-            or self.default_attention_backend_for("decode", runner.dtype)
-        )
-        return None if decode == TORCH_NATIVE else super().make_graph_runner(runner)
-
     def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
         return {AITER: _build_aiter} if aiter_installed() else {}
-
-    def attention_backends(self) -> tuple[str, ...]:
-        # aiter after triton: it computes in bf16/fp16 only, and has never been measured against triton (nor run
-        # on an AMD GPU by this project). torch_native last.
-        from omnirun.attention.registry import portable_backends
-
-        portable = portable_backends(self.capabilities)
-        return portable[:-1] + tuple(self.attention_backend_factories()) + portable[-1:]
 
     def default_attention_backend(self, mode: AttentionMode) -> str:
         # aiter only on request, as in vLLM (VLLM_ROCM_USE_AITER) and SGLang (SGLANG_USE_AITER): triton where it

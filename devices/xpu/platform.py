@@ -2,7 +2,7 @@
 
 Every fact and control comes from stock torch. Decode graphs use torch.xpu.XPUGraph where this torch has it
 (torch >= 2.11). Where intel-extension-for-pytorch is installed *and* matches torch (IPEX X.Y needs torch X.Y), it
-adds the `ipex` attention backend and IPEX's fused ops (devices/ipex_*.py, shared with the cpu platform). IPEX's
+adds the `ipex` attention backend and IPEX's fused ops (device_shared/ipex_*.py, shared with the cpu platform). IPEX's
 last release pins torch 2.10, which has no XPUGraph: on real installs IPEX and XPU graphs never meet.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from omnirun.devices.ipex_support import IPEX, ipex_notes, ipex_status
+from omnirun.device_shared.ipex_support import IPEX, ipex_notes, ipex_status
 from omnirun.graphs import GraphAPI
 from omnirun.kernels import portable_fused_ops
 from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
@@ -33,6 +33,8 @@ class XpuPlatform(Platform):
     extra = "xpu"
     vendor_packages = ("pytorch-triton-xpu", "intel-extension-for-pytorch")
     auto_priority = 80
+    # ipex after triton (where triton runs) and before torch_native, the reference, which stays last.
+    own_attention_backends_first = False
 
     def _probe(self) -> ProbeResult:
         if not _torch_has_xpu():
@@ -68,18 +70,10 @@ class XpuPlatform(Platform):
         return xpu_graph_api(torch.xpu)
 
     def make_graph_runner(self, runner: Any) -> Any | None:
-        # No graph runner (and no graph memory out of the KV pool) where the decode backend cannot be captured:
-        # torch_native reads lengths on the host; ipex pads head dims that are not a multiple of 64 through a sync.
-        config = runner.config
-        decode = (
-            config.decode_attention_backend
-            or config.attention_backend
-            or self.default_attention_backend_for("decode", runner.dtype)
-        )
-        if decode == TORCH_NATIVE:
-            return None
-        if decode == IPEX:
-            from omnirun.devices.ipex_attention import graph_capturable
+        # Beyond the base class's check (torch_native cannot be captured): ipex pads head dims that are not a
+        # multiple of 64 through a host sync, so no graph runner (and no graph memory out of the KV pool) there.
+        if self.decode_attention_backend(runner) == IPEX:
+            from omnirun.device_shared.ipex_attention import graph_capturable
 
             if not graph_capturable("xpu", runner.shape.head_dim):
                 return None
@@ -92,16 +86,10 @@ class XpuPlatform(Platform):
     def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
         if not self._ipex_usable():
             return {}
-        from omnirun.devices.ipex_attention import build_ipex_attention  # imports no IPEX until a backend is built
+        # imports no IPEX until a backend is built
+        from omnirun.device_shared.ipex_attention import build_ipex_attention
 
         return {IPEX: build_ipex_attention("xpu")}
-
-    def attention_backends(self) -> tuple[str, ...]:
-        # ipex after triton (where triton runs) and before torch_native, the reference, which stays last.
-        from omnirun.attention.registry import portable_backends
-
-        portable = portable_backends(self.capabilities)
-        return portable[:-1] + tuple(self.attention_backend_factories()) + portable[-1:]
 
     def default_attention_backend(self, mode: AttentionMode) -> str:
         # ipex only on request, as flashinfer on cuda and aiter on rocm: it has never run on an Intel GPU here, and
@@ -112,7 +100,7 @@ class XpuPlatform(Platform):
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
         if not self._ipex_usable():
             return {}
-        from omnirun.devices.ipex_ops import ipex_fused_ops  # imports IPEX
+        from omnirun.device_shared.ipex_ops import ipex_fused_ops  # imports IPEX
 
         return ipex_fused_ops("xpu", fallback=portable_fused_ops(self.capabilities))
 
@@ -134,7 +122,6 @@ class XpuPlatform(Platform):
         return int(free), int(total)
 
 
-TORCH_NATIVE = "torch_native"  # the portable backend no graph can capture
 _GRAPH_API = ("XPUGraph", "graph", "graph_pool_handle")
 
 

@@ -1,4 +1,4 @@
-"""The ipex attention backend (devices/ipex_attention.py) against torch_native, on the fake IPEX of each build:
+"""The ipex attention backend (device_shared/ipex_attention.py) against torch_native, on the fake IPEX of each build:
 decode and extend over a cached prefix, page sizes 1 and 16, GQA, a sliding window, fp8 caches, graphs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from omnirun.attention.backend import AttentionContext, AttentionLayerSpec
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.batch import ForwardBatch, ForwardMode, build_batch
-from omnirun.devices.ipex_attention import IpexAttention, graph_capturable
+from omnirun.device_shared.ipex_attention import IpexAttention, graph_capturable
 from omnirun.errors import ConfigError
 from omnirun.fake_device import RecordingGraph, recording_capture
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool

@@ -1,11 +1,11 @@
-"""IPEX's fused ops (devices/ipex_ops.py) against the torch-native references, on the fake IPEX of each build."""
+"""IPEX's fused ops (device_shared/ipex_ops.py) against the torch-native references, on the fake IPEX of each build."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from omnirun.devices.ipex_ops import ipex_fused_ops
+from omnirun.device_shared.ipex_ops import ipex_fused_ops
 from omnirun.layers import native_ops
 from omnirun.layers.rotary import cos_sin_table
 

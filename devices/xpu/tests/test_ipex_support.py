@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from omnirun.devices.ipex_support import build_of, ipex_notes, ipex_status, major_minor
+from omnirun.device_shared.ipex_support import build_of, ipex_notes, ipex_status, major_minor
 
 
 def test_versions_compare_by_major_minor() -> None:
