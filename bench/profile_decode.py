@@ -50,7 +50,33 @@ def main() -> None:
     averages = prof.key_averages()
     print(averages.table(sort_by="device_time_total", row_limit=args.rows, max_name_column_width=60))
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(device_idle_time(prof, args.steps))
     print(host_and_device_time(engine, args.timed_steps))
+
+
+def device_idle_time(prof, steps: int) -> str:
+    """How long the device sat idle over the profiled steps: in short gaps between kernels (launch latency, inside
+    graphs too) and in long ones (waiting for the host to queue the next work)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type != DeviceType.CPU)
+    if not spans:
+        return "no device events recorded"
+    short = long = 0.0
+    end = spans[0][1]
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap > 0:
+            if gap > 50:  # microseconds
+                long += gap
+            else:
+                short += gap
+        end = max(end, stop)
+    total = (end - spans[0][0]) / 1e3
+    return (
+        f"device over {steps} steps: {total / steps:.3f} ms per step from first to last kernel, idle "
+        f"{short / 1e3 / steps:.3f} ms in gaps <= 50 us and {long / 1e3 / steps:.3f} ms in longer ones"
+    )
 
 
 def host_and_device_time(engine, steps: int) -> str:

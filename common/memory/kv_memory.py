@@ -196,6 +196,14 @@ class KVMemory:
                 batch_pages.extend(pages[start // ps : (end - 1) // ps + 1])
 
         prefix = self._take_unwritten(rows) if self._unwritten else None
+        if all(end - start == 1 for start, end in zip(starts, ends, strict=True)):
+            # A decode step (one token per request): its slots in plain Python, a few list reads per request,
+            # instead of a dozen small tensor ops on the host each step.
+            pages = self._pages
+            slot_list = [pages[row][start // ps] * ps + start % ps for row, start in zip(rows, starts, strict=True)]
+            index = torch.tensor([rows, starts, slot_list], dtype=torch.int64)
+            self._write_table(index if prefix is None else torch.cat([prefix, index], 1))
+            return StepSlots(index[2], prefix, index[1])
         lengths = torch.tensor(ends, dtype=torch.int64) - torch.tensor(starts, dtype=torch.int64)
         num_new = int(lengths.sum()) if lengths.numel() else 0
         if num_new == 0:
