@@ -1,4 +1,6 @@
-"""`omnirun serve` against the real OpenAI client: a real uvicorn server on a free port, the embedded model."""
+"""`omnirun serve` against the real OpenAI client: a real uvicorn server on a free port, the embedded model, with
+the engine in a thread of this process and in a process of its own (EngineProcess); outputs are compared with an
+LLM's in this process."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import openai
 import pytest
 
 from omnirun.engine import LLM
+from omnirun.engine.process import EngineProcess
 from omnirun.sampling import SamplingParams
 from omnirun.server.app import create_app
 from omnirun.server.testing import running_server
@@ -19,15 +22,28 @@ MODEL = "tiny"
 KEY = "test-key"
 
 
+FLAGS = {"device": "cpu", "dtype": "float32", "max_total_tokens": 16384}
+
+
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(device="cpu", dtype="float32", max_total_tokens=16384) as llm:
+    with LLM(**FLAGS) as llm:
         yield llm
 
 
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(request, llm):
+    """What the server runs: the reference LLM's own engine thread, or an engine process of the same model."""
+    if request.param == "thread":
+        yield llm
+    else:
+        with EngineProcess(**FLAGS) as engine:
+            yield engine
+
+
 @pytest.fixture(scope="module")
-def url(llm):
-    with running_server(create_app(llm, served_model_name=MODEL, api_key=KEY)) as url:
+def url(engine):
+    with running_server(create_app(engine, served_model_name=MODEL, api_key=KEY)) as url:
         yield url
 
 
@@ -40,11 +56,11 @@ def _greedy(llm, prompt, n: int, **kw):
     return llm.generate(prompt, SamplingParams(temperature=0, max_new_tokens=n, **kw), use_tqdm=False)[0]
 
 
-def _pool_whole_within(llm, seconds: float) -> float:
+def _pool_whole_within(engine, seconds: float) -> float:
     """Wait until every KV page is free (or only cached) and no request is live; returns how long that took."""
     start = time.monotonic()
     while True:
-        usage = llm.kv_usage()
+        usage = engine.kv_usage()
         if usage.pages_free + usage.pages_cached == usage.pages_total and not usage.pages_held:
             return time.monotonic() - start
         if time.monotonic() - start > seconds:
@@ -99,6 +115,21 @@ def test_completions_stop_and_logprobs(llm, client):
     assert out.choices[0].finish_reason == "stop" and stop not in out.choices[0].text
 
 
+def test_a_streamed_stop_string_ends_the_text_before_it_as_llm_generate_does(llm, client):
+    # (the engine process decodes requests with stop strings itself, and the others' text in the server)
+    whole = _greedy(llm, "The KV cache", 10).text
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    expected = _greedy(llm, "The KV cache", 10, stop=[stop])
+    assert expected.finish_reason == "stop" and len(expected.text) < len(whole)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="The KV cache", max_tokens=10, temperature=0, stop=[stop], stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_chat_greedy_text_equals_llm_generate_on_the_templated_prompt(llm, client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -126,7 +157,7 @@ def test_chat_greedy_text_equals_llm_generate_on_the_templated_prompt(llm, clien
     assert chunks[-1].usage.completion_tokens == 10
 
 
-def test_64_concurrent_streams_each_get_their_own_greedy_output(llm, url):
+def test_64_concurrent_streams_each_get_their_own_greedy_output(llm, engine, url):
     prompts = [f"Request {i}: the model runner" for i in range(64)]
     expected = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8), use_tqdm=False)
 
@@ -140,24 +171,24 @@ def test_64_concurrent_streams_each_get_their_own_greedy_output(llm, url):
 
     texts = asyncio.run(all_of_them())
     assert texts == [e.text for e in expected]
-    _pool_whole_within(llm, 1.0)
+    _pool_whole_within(engine, 1.0)
 
 
-def test_a_client_that_disconnects_has_its_request_aborted_and_pages_freed(llm, url):
+def test_a_client_that_disconnects_has_its_request_aborted_and_pages_freed(engine, url):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(base_url=url, headers=headers) as http:
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-            assert llm.kv_usage().pages_held, "the request should hold pages while it streams"
+            assert engine.kv_usage().pages_held, "the request should hold pages while it streams"
         # leaving the block closed the connection mid-stream
-        assert _pool_whole_within(llm, 1.0) < 1.0
+        assert _pool_whole_within(engine, 1.0) < 1.0
 
         # a plain (not streamed) request whose client gives up waiting
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json=body, timeout=0.3)
-        assert _pool_whole_within(llm, 1.0) < 1.0
+        assert _pool_whole_within(engine, 1.0) < 1.0
 
 
 ERRORS = [
@@ -183,7 +214,7 @@ ERRORS = [
 
 
 @pytest.mark.parametrize("body, status, param", ERRORS, ids=[str(i) for i in range(len(ERRORS))])
-def test_bad_requests_get_openai_errors_and_the_server_goes_on(llm, url, body, status, param):
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(engine, url, body, status, param):
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     with httpx.Client(base_url=url, headers=headers) as http:
         if isinstance(body, bytes):
@@ -196,7 +227,7 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(llm, url, body, s
         assert error["message"] and "\n" not in error["message"] and error["param"] == param
         ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
         assert ok.status_code == 200
-    _pool_whole_within(llm, 1.0)
+    _pool_whole_within(engine, 1.0)
 
 
 def test_chat_errors(client):
@@ -242,7 +273,7 @@ def test_more_waiting_requests_than_allowed_get_503_with_retry_after(llm):
     _pool_whole_within(llm, 1.0)
 
 
-def test_models_health_and_metrics(llm, client, url):
+def test_models_health_and_metrics(engine, client, url):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL] and models.data[0].object == "model"
     assert httpx.get(f"{url}/health").status_code == 200
@@ -254,7 +285,7 @@ def test_models_health_and_metrics(llm, client, url):
         if not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
-    usage = llm.kv_usage()
+    usage = engine.kv_usage()
     assert values["omnirun_kv_pages_total"] == usage.pages_total
     assert values["omnirun_kv_pages_used"] == 0 and values["omnirun_requests_running"] == 0
     assert values["omnirun_generation_tokens_total"] >= 4 and values["omnirun_prompt_tokens_total"] >= 1

@@ -111,15 +111,7 @@ class LLM:
 
     # --- requests ---
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ConfigError("text prompts need a tokenizer: pass token ids, or tokenizer=<HF tokenizer dir>")
-            return list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not all(_is_token_id(t) for t in prompt):
-            raise ConfigError("a prompt is a string or a list of int token ids")
-        return [int(t) for t in prompt]
+        return encode_prompt(self.tokenizer, prompt)
 
     def generate(
         self,
@@ -269,6 +261,19 @@ class RequestStream:
 
     def __del__(self) -> None:
         self.close()
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: a text through the tokenizer (None: ConfigError), or ids checked to be ints."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ConfigError("text prompts need a tokenizer: pass token ids, or tokenizer=<HF tokenizer dir>")
+        return list(tokenizer(prompt).input_ids)
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
+    if not all(_is_token_id(t) for t in prompt):
+        raise ConfigError("a prompt is a string or a list of int token ids")
+    return [int(t) for t in prompt]
 
 
 def _close(loop: EngineLoop, engine: Engine) -> None:

@@ -105,6 +105,9 @@ class EngineLoop:
         # The engine thread's own: who waits for which live request.
         self._subscribers: dict[int, _Subscriber] = {}
         self._death: BaseException | None = None
+        # Called on the engine thread after each round of the loop (a step, or what came in between): where an
+        # engine process sends the round's outputs to its parent in one message. Set it before the first request.
+        self.after_step: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -179,13 +182,22 @@ class EngineLoop:
         runner = self.engine.runner
         try:
             runner.platform.set_device(runner.config.device_index)  # the current device is per thread
-            while self._run_once():
-                pass
+            while True:
+                more = self._run_once()
+                if self.after_step is not None:
+                    self.after_step()
+                if not more:
+                    break
         except BaseException as exc:  # a bug of the loop itself: every waiting caller hears of it
             logger.exception("the engine thread died")
             self._death = exc
             for request_id, subscriber in self._subscribers.items():
                 subscriber.channel.put((request_id, EngineClosedError(f"the engine thread died: {exc!r}")))
+            if self.after_step is not None:
+                try:
+                    self.after_step()
+                except BaseException:  # what failed may be after_step itself
+                    pass
 
     def _run_once(self) -> bool:
         engine = self.engine

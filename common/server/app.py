@@ -1,4 +1,4 @@
-"""The FastAPI application of `omnirun serve`: OpenAI's routes over one LLM.
+"""The FastAPI application of `omnirun serve`: OpenAI's routes over one engine (an LLM, or an EngineProcess).
 
 /v1/completions, /v1/chat/completions and /v1/models (behind the API key when one is set), /health, /metrics.
 """
@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from omnirun.engine import LLM
+from omnirun.engine.client import EngineClient
 from omnirun.server.async_engine import AsyncEngine
 from omnirun.server.chat import create_chat_completion
 from omnirun.server.completions import create_completion
@@ -49,15 +50,16 @@ def _check_key(
 
 
 def create_app(
-    llm: LLM,
+    llm: LLM | EngineClient,
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queued_requests: int | None = None,
 ) -> FastAPI:
-    """The server's app over an open LLM (which stays the caller's to close)."""
+    """The server's app over an open LLM, or an EngineProcess (which stays the caller's to close)."""
     engine = AsyncEngine(llm, max_queued_requests=max_queued_requests)
-    state = ServerState(engine, served_model_name or llm.runner.config.model, api_key)
+    client = engine.client
+    state = ServerState(engine, served_model_name or client.facts.model, api_key)
     metrics = ServerMetrics(engine)
     app = FastAPI(title="omnirun", description="OpenAI-compatible server over the omnirun engine")
     app.state.server = state
@@ -75,14 +77,14 @@ def create_app(
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        card = ModelCard(id=state.served_model_name, created=now(), max_model_len=llm.runner.context_length)
+        card = ModelCard(id=state.served_model_name, created=now(), max_model_len=client.facts.context_length)
         return ModelList(data=[card])
 
     app.include_router(v1)
 
     @app.get("/health")
     async def health() -> Response:
-        llm.engine_loop.check_alive()  # a dead engine thread: EngineClosedError, a 500
+        client.check_alive()  # a dead engine thread or process: EngineClosedError, a 500
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -1,8 +1,9 @@
-"""The asyncio front of the engine: requests go to the LLM's EngineLoop, their deltas come back as async streams.
+"""The asyncio front of the engine: requests go to an engine client (an LLM's EngineLoop thread here, or an
+EngineProcess), their deltas come back as async streams.
 
-No second loop: the EngineLoop's thread steps the engine as it does for `LLM.generate`; an AsyncChannel is a
-channel it can put on (like the thread-safe queue LLM callers wait on) that hands each item to the asyncio event
-loop through a Mailbox (one `call_soon_threadsafe` per batch of items, not one per item). The requests of one
+The engine's side puts each item from a thread of its own (the EngineLoop's thread, or the EngineProcess's
+reader); an AsyncChannel is a channel it can put on that hands each item to the asyncio event loop through a
+Mailbox (one `call_soon_threadsafe` per batch of items, not one per item). The requests of one
 HTTP call (its prompts x n choices) share one channel and form a RequestGroup; leaving the group early (a client
 that went away, an error) aborts the unfinished ones, whose pages the engine frees at its next step.
 """
@@ -16,10 +17,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from omnirun.engine import LLM, Request, StreamDelta
+from omnirun.engine.client import EngineClient, as_engine_client
 from omnirun.errors import OmnirunError
 from omnirun.sampling import SamplingParams
 
-# How often a waiting request checks that the engine thread is still alive.
+# How often a waiting request checks that the engine is still alive.
 _LIVENESS_CHECK_S = 0.5
 
 
@@ -78,11 +80,12 @@ class AsyncChannel:
 
 
 class AsyncEngine:
-    """One LLM served to asyncio callers. `max_queued_requests`: how many requests may wait for their first token
-    before new ones are refused with QueueFullError (None: no limit)."""
+    """One engine (an LLM in this process, or an EngineProcess) served to asyncio callers. `max_queued_requests`:
+    how many requests may wait for their first token before new ones are refused with QueueFullError (None: no
+    limit)."""
 
-    def __init__(self, llm: LLM, *, max_queued_requests: int | None = None):
-        self.llm = llm
+    def __init__(self, engine: LLM | EngineClient, *, max_queued_requests: int | None = None):
+        self.client = as_engine_client(engine)
         self.max_queued_requests = max_queued_requests
         self.num_waiting = 0  # requests submitted that have no token yet (only touched on the event loop)
         # Observers of each request's news, for metrics: on_submit(requests), on_delta(request, delta, now).
@@ -92,11 +95,14 @@ class AsyncEngine:
 
     @property
     def tokenizer(self) -> Any:
-        return self.llm.tokenizer
+        return self.client.tokenizer
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        return self.client.encode(prompt)
 
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> Request:
         """A checked request (ConfigError for a bad prompt or one too long for the context), not queued yet."""
-        return self.llm.engine.make_request(prompt_ids, params, detokenize=self.tokenizer is not None)
+        return self.client.make_request(prompt_ids, params)
 
     def submit(self, requests: Sequence[Request]) -> RequestGroup:
         """Queue requests made by `make_request` together; their deltas arrive through the group it returns."""
@@ -111,11 +117,9 @@ class AsyncEngine:
         if self._mailbox is None or self._mailbox._loop is not event_loop:
             self._mailbox = Mailbox(event_loop)
         channel = AsyncChannel(self._mailbox)
-        loop = self.llm.engine_loop
         self.num_waiting += len(requests)
         try:
-            for request in requests:
-                loop.submit(request, channel, stream=True)
+            self.client.submit(requests, channel)
         except BaseException:
             group.abort()
             raise
@@ -148,12 +152,12 @@ class RequestGroup:
         return self._deltas()
 
     async def _deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
-        loop = self._engine.llm.engine_loop
+        client = self._engine.client
         while len(self._finished) < len(self.requests):
             try:
                 items = await self._channel.get_all(_LIVENESS_CHECK_S)
             except asyncio.TimeoutError:
-                loop.check_alive()
+                client.check_alive()
                 continue
             now = time.perf_counter()
             for request_id, delta in _coalesced(items).items():
@@ -175,11 +179,11 @@ class RequestGroup:
         if self._closed:
             return
         self._closed = True
-        loop = self._engine.llm.engine_loop
+        client = self._engine.client
         for request in self.requests:
             self._mark_started(request.request_id)  # no longer waiting, whatever happens next
             if request.request_id not in self._finished:
-                loop.abort(request.request_id)
+                client.abort(request.request_id)
 
 
 def _coalesced(items: list[tuple[int, Any]]) -> dict[int, StreamDelta]:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from omnirun.errors import OmnirunError
 
@@ -26,6 +31,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         help="requests that may wait for their first token; more get 503 with Retry-After (default: no limit)",
     )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument(
+        "--engine-in-thread",
+        action="store_true",
+        help="step the engine in a thread of the server's process, not in a process of its own (the default, "
+        "which keeps HTTP work off the engine's GIL)",
+    )
     serve.set_defaults(func=cmd_serve)
 
 
@@ -34,6 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from omnirun.cli_flags import llm_kwargs
     from omnirun.engine import LLM
+    from omnirun.engine.process import EngineProcess
     from omnirun.engine.tokenizer import tokenizer_dir
     from omnirun.registry import select_platform
     from omnirun.server.app import create_app
@@ -50,18 +62,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from omnirun.assets.default_model import default_model_dir
 
         model = default_model_dir()
-    if tokenizer_dir(args.tokenizer, model) is None:
+    # (a path that is no model is the engine's one-line error, not a tokenizer warning first)
+    if (Path(model).is_dir() or args.load_format == "dummy") and tokenizer_dir(args.tokenizer, model) is None:
         logger.warning(
             "%s has no tokenizer: serving token-id prompts on /v1/completions only, with empty text (pass "
             "--tokenizer <HF tokenizer dir> for text)",
             model,
         )
-    with LLM(model, **llm_kwargs(args)) as llm:
+    engine_kind = LLM if args.engine_in_thread else EngineProcess
+    with engine_kind(model, **llm_kwargs(args)) as engine:
         app = create_app(
-            llm,
+            engine,
             served_model_name=args.served_model_name or (args.model or "default"),
             api_key=args.api_key,
             max_queued_requests=args.max_queued_requests,
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        with _closing_on_sigterm(engine):
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+@contextlib.contextmanager
+def _closing_on_sigterm(engine: Any) -> Iterator[None]:
+    """uvicorn stops on SIGTERM and then raises the signal again, which would end this process before the engine
+    is closed (an engine process left to notice its parent's death): close it first, then die of the signal."""
+
+    def close_then_die(signum: int, frame: Any) -> None:
+        engine.close()
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, close_then_die)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -33,9 +33,9 @@ from omnirun.server.state import ServerState
 
 def _prompts(state: ServerState, prompt: str | list) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [state.engine.llm.encode(prompt)]
+        return [state.engine.encode(prompt)]
     if prompt and all(isinstance(p, str) for p in prompt):
-        return [state.engine.llm.encode(p) for p in prompt]
+        return [state.engine.encode(p) for p in prompt]
     if prompt and all(isinstance(p, list) for p in prompt):
         return [list(p) for p in prompt]
     return [list(prompt)]  # token ids (an empty list is refused by the engine: no token to continue from)

@@ -1,9 +1,9 @@
 """`/metrics`: Prometheus text from prometheus_client, one registry per server.
 
 Counted as requests go (on the event loop): prompt and generation tokens, finished requests by finish reason,
-and the TTFT / inter-token / end-to-end latency histograms. Read from the engine at each scrape: running and
-waiting requests, KV pages used and total, preemptions — plain reads of integers the engine thread updates
-(each read is atomic; together they may be a step apart).
+and the TTFT / inter-token / end-to-end latency histograms. Read from the engine's stats at each scrape (an
+EngineStats: read from an engine in this process, or the latest one an engine process sent with a step):
+running and waiting requests, KV pages used and total, preemptions.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from omnirun.engine import Engine, Request, StreamDelta
+from omnirun.engine import Request, StreamDelta
 from omnirun.server.async_engine import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -22,36 +22,29 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
 
 
 class _EngineState(Collector):
-    def __init__(self, engine: Engine, async_engine: AsyncEngine):
-        self._engine = engine
+    def __init__(self, async_engine: AsyncEngine):
         self._async = async_engine
 
     def collect(self) -> Iterator:
-        scheduler = self._engine.scheduler
-        if scheduler is None:  # closed
+        stats = self._async.client.stats()
+        if stats is None:  # closed, or an engine process that has not stepped yet
             return
-        kv = self._engine.runner.kv
-        allocator = kv.allocator
-        yield GaugeMetricFamily("omnirun_requests_running", "Requests holding KV pages", value=len(scheduler.running))
-        yield GaugeMetricFamily(
-            "omnirun_requests_waiting", "Requests queued in the scheduler", value=len(scheduler.waiting)
-        )
+        yield GaugeMetricFamily("omnirun_requests_running", "Requests holding KV pages", value=stats.running)
+        yield GaugeMetricFamily("omnirun_requests_waiting", "Requests queued in the scheduler", value=stats.waiting)
         yield GaugeMetricFamily(
             "omnirun_requests_waiting_first_token",
             "Requests the server submitted that have no token yet (what --max-queued-requests bounds)",
             value=self._async.num_waiting,
         )
-        yield GaugeMetricFamily(
-            "omnirun_kv_pages_used", "KV-cache pages in use", value=allocator.num_pages - kv.free_pages
-        )
+        yield GaugeMetricFamily("omnirun_kv_pages_used", "KV-cache pages in use", value=stats.kv_pages_used)
         yield GaugeMetricFamily(
             "omnirun_kv_pages_cached",
             "KV-cache pages only the prefix cache keeps (evicted when new tokens need them)",
-            value=kv.free_pages - allocator.free_count,
+            value=stats.kv_pages_cached,
         )
-        yield GaugeMetricFamily("omnirun_kv_pages_total", "KV-cache pages in the pool", value=allocator.num_pages)
+        yield GaugeMetricFamily("omnirun_kv_pages_total", "KV-cache pages in the pool", value=stats.kv_pages_total)
         yield CounterMetricFamily(
-            "omnirun_preemptions", "Requests preempted for KV room (recomputed later)", value=scheduler.num_preemptions
+            "omnirun_preemptions", "Requests preempted for KV room (recomputed later)", value=stats.preemptions
         )
 
 
@@ -79,7 +72,7 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS[3:] + (160, 320),
             registry=r,
         )
-        r.register(_EngineState(async_engine.llm.engine, async_engine))
+        r.register(_EngineState(async_engine))
         self._last_time: dict[int, float] = {}
         async_engine.on_submit.append(self._submitted)
         async_engine.on_delta.append(self._delta)

@@ -1,0 +1,147 @@
+"""The engine process behind `omnirun serve`: one message per step whatever the number of streams, a child
+killed mid-stream reported to every open request at once, start-up errors as one line, no child left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from omnirun.engine.process import EngineProcess
+from omnirun.server.app import create_app
+from omnirun.server.testing import running_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with EngineProcess(device="cpu", dtype="float32", max_total_tokens=8192) as engine:
+        yield engine
+
+
+def test_the_parent_reads_one_message_per_step_not_one_per_token(engine):
+    prompts = [f"Stream {i} of the engine process" for i in range(16)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> int:
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}, stream=True
+        )
+        return sum([len(c.choices[0].text) > 0 async for c in stream])
+
+    async def all_of_them(url: str) -> list[int]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    with running_server(create_app(engine, served_model_name=MODEL)) as url:
+        before = engine.steps_received
+        asyncio.run(all_of_them(url))
+        messages = engine.steps_received - before
+    # 16 x 12 = 192 tokens; the requests run together, so about 12 decode steps (+ prefills, + a round per
+    # arrival or abort); far fewer messages than tokens.
+    assert messages < 16 * 12 / 3, messages
+
+
+def test_a_killed_engine_process_ends_every_open_request_at_once(engine):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    streams: dict[int, tuple[list[str], float]] = {}
+    plain: list[tuple[int, str, float]] = []
+
+    def stream(url: str, i: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as response:
+            lines = [line for line in response.iter_lines() if line]
+        streams[i] = (lines, time.monotonic())
+
+    def not_streamed(url: str) -> None:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        plain.append((response.status_code, response.json()["error"]["message"], time.monotonic()))
+
+    with running_server(create_app(engine, served_model_name=MODEL)) as url:
+        threads = [threading.Thread(target=stream, args=(url, i)) for i in range(4)]
+        threads.append(threading.Thread(target=not_streamed, args=(url,)))
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while (engine.stats().running if engine.stats() else 0) < 5:
+            assert time.monotonic() < deadline, "the five requests did not start"
+            time.sleep(0.005)
+        killed = time.monotonic()
+        os.kill(engine.pid, signal.SIGKILL)
+        for thread in threads:
+            thread.join(10)
+        assert len(streams) == 4 and len(plain) == 1
+        for lines, ended in streams.values():
+            assert lines[-1] == "data: [DONE]" and "killed by SIGKILL" in lines[-2], lines[-3:]
+            assert ended - killed < 2.0
+        status, message, ended = plain[0]
+        assert status == 500 and "killed by SIGKILL" in message and "\n" not in message and ended - killed < 2.0
+        assert httpx.get(f"{url}/health").status_code == 500
+        late = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2})
+        assert late.status_code == 500 and "killed by SIGKILL" in late.json()["error"]["message"]
+    start = time.monotonic()
+    engine.close()
+    assert time.monotonic() - start < 3.0
+
+
+def _serve(*flags: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "omnirun.cli", "serve", "--device", "cpu", "--log-level", "warning", *flags]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_bad_model_path_is_a_one_line_error_and_a_nonzero_exit(tmp_path):
+    server = _serve("--model", str(tmp_path / "no-such-model"), "--port", "0")
+    _, err = server.communicate(timeout=120)
+    assert server.returncode == 2
+    assert err.startswith("omnirun: error:") and err.count("\n") == 1 and "no-such-model" in err, err
+
+
+def _engine_children(pid: int) -> list[int]:
+    """The processes multiprocessing spawned from `pid` (not its resource tracker, which leaves on its own)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmdline:
+            children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_ctrl_c_stops_the_server_and_joins_its_engine_process():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = _serve("--port", str(port), "--max-total-tokens", "4096")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server did not start within 120 s"
+                time.sleep(0.2)
+        children = _engine_children(server.pid)
+        assert len(children) == 1, "the engine should run in a child process"
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 0
+        assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
