@@ -66,17 +66,18 @@ def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return out
 
 
-async def _one(client: Any, url: str, body: dict, headers: dict) -> RequestResult:
+async def _one(session: Any, url: str, body: dict, headers: dict) -> RequestResult:
     result = RequestResult(ok=False, input_len=len(body["prompt"]))
     start = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:200]}"
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                text = await response.text(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:200]}"
                 return result
-            async for line in response.aiter_lines():
+            async for raw in response.content:  # line by line
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -100,7 +101,9 @@ async def _one(client: Any, url: str, body: dict, headers: dict) -> RequestResul
 
 
 async def run_load(args: argparse.Namespace, model: str) -> tuple[list[RequestResult], float]:
-    import httpx
+    # aiohttp, as vLLM's benchmark client: with a few hundred open streams httpx's pure-Python parsing made the
+    # load generator a bottleneck of what it measures (README, "Serving over HTTP").
+    import aiohttp
     from tqdm.auto import tqdm
 
     requests = make_requests(args)
@@ -116,8 +119,8 @@ async def run_load(args: argparse.Namespace, model: str) -> tuple[list[RequestRe
         bar.update(1)
         return result
 
-    connections = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=None, limits=connections) as client:
+    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: --max-concurrency is the only limit
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as client:
         tasks = []
         start = time.perf_counter()
         for i, (prompt, output_len) in enumerate(requests):

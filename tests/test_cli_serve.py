@@ -53,6 +53,18 @@ def test_bench_serve_loads_a_server_and_writes_json(tmp_path, capsys):
     assert result["output_tokens_per_s"] > 0 and result["request_throughput"] > 0
 
 
+def test_bench_serve_counts_refused_requests_as_failed(tmp_path):
+    out = tmp_path / "serve.json"
+    llm = LLM("tiny-llama", load_format="dummy", device="cpu", max_total_tokens=4096)
+    with llm, running_server(create_app(llm, api_key="k")) as url:
+        argv = ["bench", "serve", "--base-url", url, "--api-key", "wrong", "--model", "tiny-llama"]
+        argv += ["--num-prompts", "3", "--input-len", "4", "--output-len", "2", "--json", str(out), "--no-progress"]
+        assert main(argv) == 1  # nothing completed
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"]) == (0, 3)
+    assert result["first_error"].startswith("HTTP 401") and "API key" in result["first_error"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
