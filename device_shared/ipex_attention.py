@@ -30,12 +30,17 @@ from typing import Any, Literal
 
 import torch
 
-from omnirun.attention.backend import AttentionBackend, AttentionContext, AttentionLayerSpec
+from omnirun.attention.backend import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    require_grouped_heads,
+    require_half_precision,
+)
 from omnirun.batch import ForwardBatch, ForwardMode
 from omnirun.errors import ConfigError
 
 Build = Literal["xpu", "cpu"]
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 # IPEX's kv_cache_dtype strings per storage dtype, by build (CacheOps.cpp DISPATCH_BY_KV_CACHE_DTYPE on XPU;
 # _IPEXPagedAttentionCPU.reshape_and_cache accepts e5m2 only).
 KV_CACHE_DTYPES: dict[Build, dict[torch.dtype, str]] = {
@@ -100,13 +105,9 @@ class IpexAttention(AttentionBackend):
 
     def _check(self, context: AttentionContext) -> str:
         kv_dtype, model_dtype = context.kv.kv_cache.dtype, context.model_dtype
-        if self.build == "xpu" and model_dtype not in HALF_DTYPES:
-            raise ConfigError(
-                f"the ipex attention backend on xpu computes in bfloat16 or float16 (IPEX's XeTLA kernels), not "
-                f"{model_dtype}: pass --dtype bfloat16, or choose another --attention-backend"
-            )
-        if context.num_heads % context.num_kv_heads:
-            raise ConfigError(f"{context.num_heads} query heads do not group over {context.num_kv_heads} KV heads")
+        if self.build == "xpu":
+            require_half_precision(context, self.name, " on xpu (IPEX's XeTLA kernels)")
+        require_grouped_heads(context)
         if kv_dtype == model_dtype:
             return "auto"
         fp8 = KV_CACHE_DTYPES[self.build]

@@ -15,7 +15,11 @@ from typing import Any, ClassVar
 import torch
 
 from omnirun.batch import ForwardBatch, ForwardMode
+from omnirun.errors import ConfigError
 from omnirun.memory import KVMemory
+
+# What device kernels that compute in half precision only (flashinfer, aiter, ATB, IPEX on xpu) accept.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +33,25 @@ class AttentionContext:
     num_kv_heads: int
     head_dim: int
     max_context_len: int
+
+
+def require_half_precision(context: AttentionContext, backend: str, kernels: str = "") -> None:
+    """Refuse, in one line naming the fix, a model dtype a half-precision-only backend cannot compute in."""
+    if context.model_dtype not in HALF_DTYPES:
+        dtype = str(context.model_dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"the {backend} attention backend computes in bfloat16 or float16{kernels}, not {dtype}: pass --dtype "
+            "bfloat16, or choose another --attention-backend"
+        )
+
+
+def require_grouped_heads(context: AttentionContext) -> None:
+    """Refuse query heads that do not fall into equal groups over the KV heads (what every GQA kernel assumes)."""
+    if context.num_heads % context.num_kv_heads:
+        raise ConfigError(
+            f"{context.num_heads} query heads do not group over {context.num_kv_heads} KV heads: the model's "
+            "num_attention_heads must be a multiple of num_key_value_heads"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from omnirun.attention.backend import AttentionBackend, AttentionContext, AttentionLayerSpec
+from omnirun.attention.backend import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    require_grouped_heads,
+    require_half_precision,
+)
 from omnirun.batch import ForwardBatch, ForwardMode
 from omnirun.errors import ConfigError
 
@@ -31,7 +37,6 @@ from omnirun.errors import ConfigError
 DEFAULT_WORKSPACE_BYTES = 256 << 20
 # Plan metadata per window (flashinfer's own default size for the int workspace of one wrapper).
 INT_WORKSPACE_BYTES = 8 << 20
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 Window = int | None
@@ -138,18 +143,13 @@ class FlashInferAttention(AttentionBackend):
         self._plans_copied = torch.cuda.Event()
 
     def _check(self, context: AttentionContext) -> None:
-        if context.model_dtype not in HALF_DTYPES:
-            raise ConfigError(
-                f"the flashinfer attention backend computes in bfloat16 or float16, not {context.model_dtype}: "
-                "pass --dtype bfloat16, or choose another --attention-backend"
-            )
+        require_half_precision(context, self.name)
         if self._kv_dtype != context.model_dtype and self._kv_dtype not in FP8_DTYPES:
             raise ConfigError(
                 f"the flashinfer attention backend reads a KV cache in the model dtype or fp8, not {self._kv_dtype}: "
                 "pass --kv-cache-dtype auto, fp8_e4m3 or fp8_e5m2"
             )
-        if context.num_heads % context.num_kv_heads:
-            raise ConfigError(f"{context.num_heads} query heads do not group over {context.num_kv_heads} KV heads")
+        require_grouped_heads(context)
         if context.kv.kv_cache.num_slots % context.kv.page_size:
             raise ConfigError(
                 f"KV pool of {context.kv.kv_cache.num_slots} slots is not whole pages of {context.kv.page_size}"

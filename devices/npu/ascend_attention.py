@@ -21,13 +21,18 @@ import dataclasses
 
 import torch
 
-from omnirun.attention.backend import AttentionBackend, AttentionContext, AttentionLayerSpec
+from omnirun.attention.backend import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    require_grouped_heads,
+    require_half_precision,
+)
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.batch import ForwardBatch, ForwardMode
 from omnirun.devices.npu.npu_graphs import note_host_input
 from omnirun.errors import ConfigError
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 # SGLang's ATB prefill mask: 128 x 128, upper triangle masked (finfo(float32).min for fp16, 1 for bf16), model
 # dtype (ascend_backend.py::AscendAttnMaskBuilder.generate_attn_mask, "norm"); the operator reads it compressed.
 MASK_LEN = 128
@@ -84,18 +89,13 @@ class AscendAttention(AttentionBackend):
 
         self._npu = torch_npu
         kv_dtype = context.kv.kv_cache.dtype
-        if context.model_dtype not in HALF_DTYPES:
-            raise ConfigError(
-                f"the ascend attention backend computes in bfloat16 or float16, not {_dtype_name(context.model_dtype)}:"
-                " pass --dtype bfloat16, or choose --attention-backend torch_native"
-            )
+        require_half_precision(context, self.name)
         if kv_dtype != context.model_dtype:
             raise ConfigError(
                 f"the ascend attention backend reads a KV cache in the model dtype, not {_dtype_name(kv_dtype)}: "
                 "pass --kv-cache-dtype auto, or choose --attention-backend torch_native"
             )
-        if context.num_heads % context.num_kv_heads:
-            raise ConfigError(f"{context.num_heads} query heads do not group over {context.num_kv_heads} KV heads")
+        require_grouped_heads(context)
         self.page_size = context.kv.page_size
         self._pages = -(-context.kv.req_to_token.table.shape[1] // self.page_size)  # block table width
         self._mask = prefill_mask(context.model_dtype, context.device)

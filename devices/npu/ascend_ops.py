@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from omnirun.attention.backend import HALF_DTYPES
 from omnirun.layers import native_ops
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 # npu_rms_norm on Atlas A2/A3: (x, gamma) dtype pairs of its doc; npu_add_rms_norm: gamma in x's dtype.
 _RMS_NORM_PAIRS = {
     (torch.float16, torch.float32),

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from omnirun.attention.backend import HALF_DTYPES
 from omnirun.devices.npu.torch_npu_loader import load_torch_npu
 from omnirun.errors import DeviceUnavailableError
 from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
 
 ASCEND = "ascend"
 TORCH_NATIVE = "torch_native"  # the reference backend, and the default for float32 models
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 # The ATB operators the ascend backend calls (registered under torch.ops.atb once NNAL's libatb.so loads).
 ATB_OPS = ("_npu_reshape_and_cache", "_npu_paged_attention", "_npu_flash_attention_qlens")
 

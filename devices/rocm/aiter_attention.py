@@ -19,14 +19,19 @@ import dataclasses
 
 import torch
 
-from omnirun.attention.backend import AttentionBackend, AttentionContext, AttentionLayerSpec
+from omnirun.attention.backend import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    require_grouped_heads,
+    require_half_precision,
+)
 from omnirun.batch import ForwardBatch, ForwardMode
 from omnirun.devices.rocm.token_table import token_table, window_starts
 from omnirun.errors import ConfigError
 
 # The tokens one workgroup of the decode kernel reduces (SGLang's _AITER_PARTITION_SIZE_ROCM).
 PARTITION_SIZE = 256
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 Window = int | None
 
@@ -98,14 +103,8 @@ class AiterAttention(AttentionBackend):
         import aiter  # the vendor import, only once this backend is chosen
 
         self._aiter = aiter
-        if context.model_dtype not in HALF_DTYPES:
-            raise ConfigError(
-                f"the aiter attention backend computes in bfloat16 or float16, not "
-                f"{str(context.model_dtype).removeprefix('torch.')}: pass --dtype bfloat16, or choose another "
-                "--attention-backend"
-            )
-        if context.num_heads % context.num_kv_heads:
-            raise ConfigError(f"{context.num_heads} query heads do not group over {context.num_kv_heads} KV heads")
+        require_half_precision(context, self.name)
+        require_grouped_heads(context)
         self._kv_cache_dtype = kv_cache_dtype_arg(context.kv.kv_cache.dtype, context.model_dtype, aiter.dtypes.fp8)
         # omnirun stores fp8 K/V with scale 1 (PagedKVCache.set_kv): the kernels' per-tensor scales are ones.
         self._kv_scale = torch.ones(1, dtype=torch.float32, device=context.device)

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
+from omnirun.attention.backend import HALF_DTYPES
 from omnirun.layers import native_ops
-
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _aiter_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from omnirun.devices.rocm.aiter_attention import HALF_DTYPES
+from omnirun.attention.backend import HALF_DTYPES
 from omnirun.devices.rocm.platform import AITER, RocmPlatform
 from omnirun.fake_device import HostStandsInForDevice, recording_graph_api, use_platform
 from omnirun.graphs import GraphAPI
