@@ -182,18 +182,11 @@ class KVMemory:
         self._refs[new_pages] = 1
         new_pages_list = new_pages.tolist()
         ps = self._page_size
-        # The pages each request's new positions fall in, concatenated over the batch.
-        batch_pages: list[int] = []
-        first_page_index: list[int] = []  # where request i's pages begin in batch_pages
         taken = 0
-        for row, start, end, count in zip(rows, starts, ends, counts, strict=True):
-            pages = self._pages[row]
-            pages.extend(new_pages_list[taken : taken + count])
+        for row, end, count in zip(rows, ends, counts, strict=True):
+            self._pages[row].extend(new_pages_list[taken : taken + count])
             taken += count
             self._num_tokens[row] = end
-            first_page_index.append(len(batch_pages))
-            if end > start:
-                batch_pages.extend(pages[start // ps : (end - 1) // ps + 1])
 
         prefix = self._take_unwritten(rows) if self._unwritten else None
         if all(end - start == 1 for start, end in zip(starts, ends, strict=True)):
@@ -211,6 +204,13 @@ class KVMemory:
                 self._write_table(prefix)
             empty = torch.empty(0, dtype=torch.int64)
             return StepSlots(empty, prefix, empty)
+        # The pages each request's new positions fall in, concatenated over the batch.
+        batch_pages: list[int] = []
+        first_page_index: list[int] = []  # where request i's pages begin in batch_pages
+        for row, start, end in zip(rows, starts, ends, strict=True):
+            first_page_index.append(len(batch_pages))
+            if end > start:
+                batch_pages.extend(self._pages[row][start // ps : (end - 1) // ps + 1])
         starts_t = torch.tensor(starts, dtype=torch.int64)
         req = torch.repeat_interleave(torch.arange(len(rows)), lengths)  # request index of each new position
         offsets = torch.cumsum(lengths, 0) - lengths  # first new position of each request in the batch
