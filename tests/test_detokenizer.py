@@ -3,11 +3,13 @@ tokens, spaces, and stop strings that span tokens or start the output."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
 from omnirun.assets.default_model import default_model_dir
-from omnirun.engine.detokenizer import IncrementalDetokenizer
+from omnirun.engine.detokenizer import IncrementalDetokenizer, window_decoder
 
 TEXTS = ["Hello world, café — naïve 日本語 ok", "  two  spaces and\nnew lines\n", "🙂 emoji 🙂🙂 end"]
 
@@ -59,3 +61,32 @@ def test_spaces_that_only_show_between_tokens_survive():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=metaspace, unk_token="<unk>")
     detok = IncrementalDetokenizer(tokenizer)
     assert "".join(detok.add([t]) for t in (1, 2, 3)) + detok.flush() == "Hello world again"
+
+
+def test_the_fast_window_decoder_equals_the_tokenizers_decode(tokenizer):
+    """Windows are decoded by the Rust backend (transformers' decode costs three times as much per call): on random
+    ids, special tokens among them, it must give exactly `decode(ids, skip_special_tokens=True)`."""
+    rng = random.Random(0)
+    decode = window_decoder(tokenizer)
+    assert decode.func == tokenizer.backend_tokenizer.decode  # the fast path is the one under test
+    for _ in range(500):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))] + [tokenizer.eos_token_id]
+        rng.shuffle(ids)
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode():
+    """With clean_up_tokenization_spaces the backend's text is not the tokenizer's ("hello , world" where decode
+    gives "hello, world"): such tokenizers decode through transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, ",": 2, "world": 3}
+    wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer, wordpiece.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece(cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.add([t]) for t in (1, 2, 3)) + detok.flush()
+    assert text == tokenizer.decode([1, 2, 3], skip_special_tokens=True) == "hello, world"

@@ -9,24 +9,30 @@ window whose text ends in U+FFFD (half of a multi-byte character) is held until 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
 
 
+def window_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, by the Rust backend when that gives the same."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return functools.partial(tokenizer.decode, skip_special_tokens=True)
+    return functools.partial(backend.decode, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()):
-        self._tokenizer = tokenizer
+        self._decode = window_decoder(tokenizer)
         self._ids: list[int] = []
         self._prefix = 0  # the window starts here: decoded alone, it gives the text already emitted
         self._read = 0  # tokens before this one are in `text`
         self.text = ""
         self._stop = tuple(stop)
         self._stop_tail = max((len(s) for s in self._stop), default=1) - 1
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Take new tokens; return the text they complete (possibly empty, while a character is unfinished)."""

@@ -33,11 +33,12 @@ from omnirun.server.state import ServerState
 _bearer = HTTPBearer(auto_error=False)
 
 
-def _state(request: Request) -> ServerState:
+# The dependencies are coroutines: FastAPI runs a plain `def` dependency in its thread pool, a hop per request.
+async def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _check_key(
+async def _check_key(
     state: Annotated[ServerState, Depends(_state)],
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:

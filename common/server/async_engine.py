@@ -38,11 +38,11 @@ class Mailbox:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, Any]] = []
+        self._items: list[tuple[AsyncChannel, Any]] = []
 
-    def post(self, queue: asyncio.Queue, item: Any) -> None:  # called on the engine thread
+    def post(self, channel: AsyncChannel, item: Any) -> None:  # called on the engine thread
         with self._lock:
-            self._items.append((queue, item))
+            self._items.append((channel, item))
             if len(self._items) > 1:
                 return  # a wake-up is already on its way
         try:
@@ -53,30 +53,50 @@ class Mailbox:
     def _deliver(self) -> None:
         with self._lock:
             items, self._items = self._items, []
-        for queue, item in items:
-            queue.put_nowait(item)
+        for channel, item in items:
+            channel.push(item)
 
 
 class AsyncChannel:
-    """A channel the engine thread puts `(request_id, item)` on and one asyncio task awaits."""
+    """A channel the engine thread puts `(request_id, item)` on and one asyncio task awaits.
+
+    A list and a future rather than an asyncio.Queue read through asyncio.wait_for: wait_for wraps every read in
+    a task of its own, which for every token of every open stream was a good part of the server's CPU."""
 
     def __init__(self, mailbox: Mailbox):
         self._mailbox = mailbox
-        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._items: list[tuple[int, Any]] = []
+        self._waiter: asyncio.Future | None = None
 
     def put(self, item: tuple[int, Any]) -> None:  # called on the engine thread
-        self._mailbox.post(self._queue, item)
+        self._mailbox.post(self, item)
+
+    def push(self, item: tuple[int, Any]) -> None:  # called on the event loop
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def get_all(self, timeout: float) -> list[tuple[int, Any]]:
         """Every item queued, waiting up to `timeout` for the first (asyncio.TimeoutError after it): a reader that
         fell behind takes what piled up at once instead of waking once per item."""
-        if self._queue.empty():
-            items = [await asyncio.wait_for(self._queue.get(), timeout)]
-        else:
-            items = []
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
+        if not self._items:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._items:
+                raise asyncio.TimeoutError
+        items, self._items = self._items, []
         return items
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class AsyncEngine:
