@@ -1,9 +1,11 @@
 """The engine process behind `omnirun serve`: one message per step whatever the number of streams, a child
-killed mid-stream reported to every open request at once, start-up errors as one line, no child left behind."""
+killed mid-stream reported to every open request at once, a child whose engine thread died stopping by itself,
+start-up errors as one line, no child left behind."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import socket
@@ -17,7 +19,11 @@ import httpx
 import openai
 import pytest
 
-from omnirun.engine.process import EngineProcess
+from omnirun.engine import LLM
+from omnirun.engine.process import EngineProcess, _how_it_ended
+from omnirun.engine.process_child import ENGINE_THREAD_DIED, LIVENESS_CHECK_S, _Sender, _StepOutbox
+from omnirun.engine.process_child import _serve as serve_the_parent
+from omnirun.sampling import SamplingParams
 from omnirun.server.app import create_app
 from omnirun.server.testing import running_server
 
@@ -145,3 +151,42 @@ def test_ctrl_c_stops_the_server_and_joins_its_engine_process():
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+class _Fatal(BaseException):
+    """What no step guard catches: it ends the engine thread itself."""
+
+
+def test_a_child_whose_engine_thread_dies_stops_at_once_and_tells_the_request():
+    """The child's main thread waits for the parent's messages; it must notice a dead engine thread by itself and
+    return (the child then exits with ENGINE_THREAD_DIED, which the parent reads as the engine's death and /health
+    as a 500), not wait for the next request."""
+    with LLM(device="cpu", dtype="float32", max_total_tokens=4096) as llm:
+        inbox, to_child = multiprocessing.Pipe(duplex=False)
+        from_child, outbox = multiprocessing.Pipe(duplex=False)
+        sender = _Sender(outbox)
+        steps = _StepOutbox(llm.engine, sender)
+        llm.engine_loop.after_step = steps.flush
+
+        def die() -> None:
+            raise _Fatal("the loop's own bug")
+
+        llm.engine.step = die
+        to_child.send(("add", [(7, llm.encode("Hello"), SamplingParams(max_new_tokens=4))]))
+        returned = []
+        serving = threading.Thread(
+            target=lambda: returned.append(serve_the_parent(inbox, llm.engine, llm.engine_loop, steps, sender))
+        )
+        serving.start()
+        serving.join(1.0 + LIVENESS_CHECK_S)
+        to_child.close()  # a main thread still waiting for the parent hears EOF (and returns True) now
+        serving.join(5.0)
+        assert returned == [False], "the child's main thread kept waiting for the parent"
+        errors = []
+        while from_child.poll(2.0) and not errors:
+            message = from_child.recv()
+            errors = message[2] if message[0] == "step" else []
+        assert [(request_id, kind) for request_id, kind, _ in errors] == [(7, "EngineClosedError")]
+        assert "_Fatal" in errors[0][2]
+        sender.close()
+    assert "lost its engine thread" in _how_it_ended(ENGINE_THREAD_DIED)

@@ -1,7 +1,10 @@
 """The sampling options OpenAI clients send, through `omnirun serve`: every token the server returns is the one a
-plain torch reference picks from the model's logits (teacher-forced), and n > 1 gives n choices."""
+plain torch reference picks from the model's logits (teacher-forced), and n > 1 gives n choices; with the engine
+in a thread of this process and in a process of its own (where the sampler then runs)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import openai
 import pytest
@@ -9,6 +12,7 @@ import torch
 
 from omnirun.batch import build_batch
 from omnirun.engine import LLM
+from omnirun.engine.process import EngineProcess
 from omnirun.sampling import SamplingParams
 from omnirun.server.app import create_app
 from omnirun.server.testing import running_server
@@ -17,15 +21,21 @@ MODEL = "tiny"
 PROMPT = "The model runner"
 
 
+FLAGS = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192}
+
+
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(device="cpu", dtype="float32", max_total_tokens=8192) as llm:
+    with LLM(**FLAGS) as llm:
         yield llm
 
 
-@pytest.fixture(scope="module")
-def client(llm):
-    with running_server(create_app(llm, served_model_name=MODEL)) as url:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def client(request, llm):
+    """A server over the reference LLM's own engine thread, or over an engine process of the same model."""
+    with contextlib.ExitStack() as stack:
+        engine = llm if request.param == "thread" else stack.enter_context(EngineProcess(**FLAGS))
+        url = stack.enter_context(running_server(create_app(engine, served_model_name=MODEL)))
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 

@@ -164,6 +164,11 @@ class EngineLoop:
     def closed(self) -> bool:
         return self._closing
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (False once it has died, or stopped after close)."""
+        return self._thread.is_alive()
+
     def check_alive(self) -> None:
         """Raise EngineClosedError if the engine thread has stopped (what a waiting caller checks now and then)."""
         self._check_alive()

@@ -38,7 +38,7 @@ from omnirun.engine.detokenizer import IncrementalDetokenizer
 from omnirun.engine.engine import KVUsage
 from omnirun.engine.llm import encode_prompt
 from omnirun.engine.loop import StreamDelta
-from omnirun.engine.process_child import child_main
+from omnirun.engine.process_child import ENGINE_THREAD_DIED, child_main
 from omnirun.engine.request import FinishReason, Request
 from omnirun.engine.request_checks import check_request
 from omnirun.engine.stats import EngineStats
@@ -303,6 +303,8 @@ def _error(kind: str, message: str) -> Exception:
 def _how_it_ended(exitcode: int | None) -> str:
     if exitcode is None:
         return "stopped answering"
+    if exitcode == ENGINE_THREAD_DIED:
+        return f"lost its engine thread (exit code {exitcode}; the traceback is in the log)"
     if exitcode < 0:
         try:
             return f"was killed by {signal.Signals(-exitcode).name}"

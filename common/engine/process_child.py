@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 # After the parent is gone, how long closing the engine may take before the process exits anyway.
 ORPHAN_EXIT_S = 10.0
+# How often the main thread, waiting for the parent, checks that the engine thread is still alive.
+LIVENESS_CHECK_S = 0.5
+# The exit code of a child whose engine thread died (its traceback is in the log): the parent reads the exit as the
+# engine's death, so /health answers 500 at once instead of at the next request.
+ENGINE_THREAD_DIED = 3
 # What the parent may ask between two steps ("call" messages), by name.
 CALLS = {"kv_usage": Engine.kv_usage}
 
@@ -51,20 +56,25 @@ def child_main(inbox: Connection, outbox: Connection, model: str, tokenizer: str
     sender.send(("ready", facts))
     steps.flush()  # the first stats, before any step (no request is in yet: the engine thread is idle)
     try:
-        _serve(inbox, llm.engine, llm.engine_loop, steps, sender)
+        alive = _serve(inbox, llm.engine, llm.engine_loop, steps, sender)
     finally:
         llm.close()  # live requests end with finish reason "abort" (sent, if the parent still listens)
         sender.close()
+    if not alive:
+        raise SystemExit(ENGINE_THREAD_DIED)
 
 
-def _serve(inbox: Connection, engine: Engine, loop: EngineLoop, steps: _StepOutbox, sender: _Sender) -> None:
-    """Take the parent's messages until it says shutdown or goes away."""
+def _serve(inbox: Connection, engine: Engine, loop: EngineLoop, steps: _StepOutbox, sender: _Sender) -> bool:
+    """Take the parent's messages until it says shutdown or goes away (True), or the engine thread dies (False)."""
     while True:
         try:
+            while not inbox.poll(LIVENESS_CHECK_S):
+                if not loop.alive:
+                    return False
             message = inbox.recv()
         except (EOFError, OSError):  # the parent died: close, and exit even if closing hangs
             threading.Timer(ORPHAN_EXIT_S, os._exit, args=(1,)).start()
-            return
+            return True
         kind = message[0]
         if kind == "add":
             for request_id, prompt_ids, params in message[1]:
@@ -77,7 +87,7 @@ def _serve(inbox: Connection, engine: Engine, loop: EngineLoop, steps: _StepOutb
                     steps.requests.pop(request_id, None)
                     sender.send(("step", [], [(request_id, type(exc).__name__, str(exc))], None))
                     if isinstance(exc, EngineClosedError):
-                        return  # the engine thread is gone: exiting tells the parent
+                        return loop.alive  # the engine thread is gone: exiting tells the parent
         elif kind == "abort":
             loop.abort(message[1])
         elif kind == "call":
@@ -87,7 +97,7 @@ def _serve(inbox: Connection, engine: Engine, loop: EngineLoop, steps: _StepOutb
             except Exception as exc:
                 sender.send(("reply", call_id, False, (type(exc).__name__, str(exc))))
         elif kind == "shutdown":
-            return
+            return True
 
 
 class _StepOutbox:
