@@ -190,3 +190,32 @@ def test_a_child_whose_engine_thread_dies_stops_at_once_and_tells_the_request():
         assert "_Fatal" in errors[0][2]
         sender.close()
     assert "lost its engine thread" in _how_it_ended(ENGINE_THREAD_DIED)
+
+
+def test_an_engine_process_at_tp2_serves_the_tp1_tokens_and_stops_its_ranks():
+    """The engine process starts the tensor-parallel ranks itself (as LLM does); the server's greedy streams equal an
+    LLM's at TP=1, and closing the engine process leaves no rank behind."""
+    flags = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096}
+    prompts = ["Tensor parallel serving", "Two ranks, one answer"]
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    with LLM(**flags) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    engine = EngineProcess(tp_size=2, **flags)
+    try:
+        ranks = _engine_children(engine.pid) if Path("/proc/self/stat").exists() else []
+        assert len(ranks) == 1 or not Path("/proc/self/stat").exists(), "rank 1 should run in a child of the engine"
+        with running_server(create_app(engine, served_model_name=MODEL)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            for prompt, tokens in zip(prompts, expected, strict=True):
+                out = client.completions.create(
+                    model=MODEL,
+                    prompt=prompt,
+                    max_tokens=8,
+                    temperature=0,
+                    logprobs=0,
+                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                )
+                assert [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens] == tokens
+    finally:
+        engine.close()
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a rank outlived its engine process"
