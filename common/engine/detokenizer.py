@@ -5,6 +5,10 @@ Decoding the whole output again at every step costs O(n) per token. Instead (the
 emitted boundary, with the window's first tokens decoded alone as its known prefix; the text past that prefix is
 new. Starting the window a few tokens back keeps spaces and merges that depend on the previous token right. A
 window whose text ends in U+FFFD (half of a multi-byte character) is held until the next token completes it.
+
+Windows are decoded by the fast tokenizer's Rust backend where that is all `tokenizer.decode` does (no clean-up of
+tokenization spaces): the same text without transformers' Python around each call (converting and checking the
+ids), which was about a fifth of a busy server process's samples (py-spy, 1,024 streams on a CPU).
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ class Mailbox:
 class AsyncChannel:
     """A channel the engine thread puts `(request_id, item)` on and one asyncio task awaits.
 
-    A list and a future rather than an asyncio.Queue read through asyncio.wait_for: wait_for wraps every read in
-    a task of its own, which for every token of every open stream was a good part of the server's CPU."""
+    A list and a future rather than an asyncio.Queue read through asyncio.wait_for: wait_for wraps every read (a
+    read per token of every open stream) in a task of its own, and cancels and awaits it at each timeout."""
 
     def __init__(self, mailbox: Mailbox):
         self._mailbox = mailbox
