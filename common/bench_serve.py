@@ -45,6 +45,7 @@ def add_bench_serve_parser(bench: argparse.ArgumentParser) -> None:
 class RequestResult:
     ok: bool
     input_len: int
+    sent_s: float = 0.0  # when it was sent, from the start of the run
     output_tokens: int = 0
     ttft_s: float = 0.0
     latency_s: float = 0.0
@@ -66,9 +67,9 @@ def make_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return out
 
 
-async def _one(session: Any, url: str, body: dict, headers: dict) -> RequestResult:
-    result = RequestResult(ok=False, input_len=len(body["prompt"]))
+async def _one(session: Any, url: str, body: dict, headers: dict, run_start: float) -> RequestResult:
     start = time.perf_counter()
+    result = RequestResult(ok=False, input_len=len(body["prompt"]), sent_s=start - run_start)
     last = None
     try:
         async with session.post(url, json=body, headers=headers) as response:
@@ -115,7 +116,7 @@ async def run_load(args: argparse.Namespace, model: str) -> tuple[list[RequestRe
 
     async def limited(client: Any, body: dict) -> RequestResult:
         async with limit:
-            result = await _one(client, url, body, headers)
+            result = await _one(client, url, body, headers, start)
         bar.update(1)
         return result
 
@@ -181,6 +182,17 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
         **_stats("ttft", [r.ttft_s for r in ok]),
         **_stats("tpot", tpots),
         **_stats("itl", [t for r in ok for t in r.itl_s]),
+        # Each request in the order sent, to look behind a percentile (which requests were slow, and when).
+        "requests": [
+            {
+                "sent_s": r.sent_s,
+                "ttft_ms": 1e3 * r.ttft_s if r.ok else None,
+                "latency_ms": 1e3 * r.latency_s if r.ok else None,
+                "output_tokens": r.output_tokens,
+                "error": r.error or None,
+            }
+            for r in results
+        ],
     }
 
 

@@ -51,6 +51,11 @@ def test_bench_serve_loads_a_server_and_writes_json(tmp_path, capsys):
         stats = [result[f"{name}_ms_{s}"] for s in ("mean", "p50", "p90", "p99")]
         assert all(v > 0 for v in stats) and stats[1] <= stats[2] <= stats[3]
     assert result["output_tokens_per_s"] > 0 and result["request_throughput"] > 0
+    each = result["requests"]  # one record per request, in the order sent
+    assert len(each) == 12 and sum(r["output_tokens"] for r in each) == result["total_output_tokens"]
+    assert [r["sent_s"] for r in each] == sorted(r["sent_s"] for r in each) and each[0]["sent_s"] < 0.1
+    assert all(0 < r["ttft_ms"] <= r["latency_ms"] and r["error"] is None for r in each)
+    assert sorted(r["ttft_ms"] for r in each)[5] == pytest.approx(result["ttft_ms_p50"], rel=0.5)
 
 
 def test_bench_serve_counts_refused_requests_as_failed(tmp_path):
@@ -63,6 +68,9 @@ def test_bench_serve_counts_refused_requests_as_failed(tmp_path):
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"]) == (0, 3)
     assert result["first_error"].startswith("HTTP 401") and "API key" in result["first_error"]
+    assert [r["ttft_ms"] for r in result["requests"]] == [None] * 3 and result["requests"][0]["error"].startswith(
+        "HTTP 401"
+    )
 
 
 @pytest.mark.parametrize(

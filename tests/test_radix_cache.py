@@ -3,10 +3,13 @@ over unreferenced leaves, and the flush."""
 
 from __future__ import annotations
 
+import heapq
+import random
+
 import pytest
 import torch
 
-from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
+from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool, radix_cache
 from omnirun.memory.radix_cache import RadixCache
 
 CPU = torch.device("cpu")
@@ -185,3 +188,85 @@ def test_sharing_into_a_row_that_holds_tokens_or_a_free_page_is_refused():
         kv.share_prefix(kv.new_request(), [5])
     with pytest.raises(ValueError, match="whole pages"):
         kv.prefix_cache.insert([1, 2], [1])
+
+
+def _evict_by_walking_the_tree(cache: RadixCache, num_pages: int) -> int:
+    """The plain definition of eviction, the reference: every evictable leaf of the tree in (last use, id) order,
+    each from its tail, a parent joining once its last child is gone."""
+    leaves = [(n.last_access, id(n), n) for n in cache._nodes() if not n.children and n.lock_ref == 0]
+    heapq.heapify(leaves)
+    freed = 0
+    while freed < num_pages and leaves:
+        _, _, leaf = heapq.heappop(leaves)
+        take = min(num_pages - freed, len(leaf.pages))
+        cache.kv.drop(leaf.pages[len(leaf.pages) - take :])
+        freed += take
+        cache.cached_pages -= take
+        cache.evictable_pages -= take
+        if take < len(leaf.pages):
+            del leaf.pages[len(leaf.pages) - take :]
+            del leaf.key[len(leaf.pages) * cache.page_size :]
+            continue
+        parent = leaf.parent
+        del parent.children[tuple(leaf.key[: cache.page_size])]
+        if parent is not cache.root and not parent.children and parent.lock_ref == 0:
+            heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+    return freed
+
+
+@pytest.mark.parametrize("slack", [64, 0], ids=["heap", "rebuilt-often"])
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_frees_the_pages_the_whole_tree_walk_would(seed, slack, monkeypatch):
+    """Random inserts sharing prefixes, matches, locks and unlocks, and evictions, on two caches: the heap of
+    leaves must free exactly the pages (and leave exactly the counts) that walking the whole tree frees, also
+    when the heap is rebuilt from the tree at nearly every offer."""
+    monkeypatch.setattr(radix_cache, "HEAP_SLACK", slack)
+    rng = random.Random(seed)
+    page = rng.choice([1, 2, 4])
+    ours, reference = _kv(512, page), _kv(512, page)
+    monkeypatch.setattr(
+        reference.prefix_cache, "evict", lambda n: _evict_by_walking_the_tree(reference.prefix_cache, n)
+    )
+    stems = [[rng.randrange(50) for _ in range(rng.randrange(0, 4) * page)] for _ in range(4)]
+    locked: list[tuple] = []
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.4:
+            tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 5) * page)]
+            if ours.allocator.free_count < len(tokens) + 8:
+                continue
+            for kv in (ours, reference):
+                _finish(kv, tokens)
+        elif op < 0.6:
+            tokens = rng.choice(stems) + [rng.randrange(50) for _ in range(2 * page)]
+            nodes = [kv.prefix_cache.match(tokens, len(tokens))[1] for kv in (ours, reference)]
+            if rng.random() < 0.5:
+                for kv, node in zip((ours, reference), nodes, strict=True):
+                    kv.prefix_cache.lock(node)
+                locked.append(tuple(nodes))
+        elif op < 0.75 and locked:
+            for kv, node in zip((ours, reference), locked.pop(rng.randrange(len(locked))), strict=True):
+                kv.prefix_cache.unlock(node)
+        else:
+            n = rng.randrange(1, 12)
+            assert ours.prefix_cache.evict(n) == reference.prefix_cache.evict(n)
+        assert ours.refcounts(range(1, 513)) == reference.refcounts(range(1, 513))
+        assert (ours.prefix_cache.cached_pages, ours.prefix_cache.evictable_pages) == (
+            reference.prefix_cache.cached_pages,
+            reference.prefix_cache.evictable_pages,
+        )
+
+
+def test_eviction_does_not_walk_the_tree():
+    """Its cost follows what it frees: with 400 cached requests, evicting a page at a time never visits them all."""
+    kv = _kv(2048, 4)
+    for i in range(400):
+        _finish(kv, [i, i + 1, i + 2, i + 3, 7, 7, 7, 7])
+    cache = kv.prefix_cache
+
+    def walk():
+        raise AssertionError("evict walked the whole tree")
+
+    cache._nodes = walk
+    for _ in range(100):
+        assert cache.evict(1) == 1

@@ -5,6 +5,12 @@ recomputing them. The tree holds one reference on each of its pages (KVMemory co
 path from the root to the deepest node whose pages it uses, and an unlocked node is evictable: least recently used
 leaves go first, tail pages first, whenever the pool runs short. Only full pages are cached, so a page in the tree is
 never written again. Device-neutral: it only moves page ids.
+
+Eviction runs on the decode path (a warm server's pool is full of cached pages, so steps that cross a page boundary
+evict), so its cost follows what it evicts, not the size of the tree: a heap holds every leaf that may be evictable,
+offered when it becomes one (inserted, unlocked, or left without children), and checked when it comes out (a leaf
+used since is put back under its new time; one locked, grown or gone is dropped, to be offered again later).
+Walking the whole tree instead cost 0.3 ms per decode step with 1,000 cached requests and 2.6 ms with 2,000.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import itertools
 from collections.abc import Sequence
 
 from omnirun.memory.kv_memory import KVMemory
+
+# Stale entries the eviction heap may hold beyond twice the tree's size before it is rebuilt from the tree.
+HEAP_SLACK = 64
 
 
 class RadixNode:
@@ -41,6 +50,8 @@ class RadixCache:
         self.cached_pages = 0  # every page in the tree
         self.evictable_pages = 0  # pages of nodes no request locks
         self.evicted_pages = 0  # over the cache's life (stats)
+        self._nodes_in_tree = 0
+        self._leaves: list[tuple[int, int, RadixNode]] = []  # heap of (last_access, id, node): eviction candidates
 
     # --- lookups ---
     def match(self, tokens: Sequence[int], max_tokens: int) -> tuple[list[int], RadixNode]:
@@ -81,6 +92,8 @@ class RadixCache:
                 self.kv.retain(leaf.pages)
                 self.cached_pages += len(leaf.pages)
                 self.evictable_pages += len(leaf.pages)
+                self._nodes_in_tree += 1
+                self._offer(leaf)
                 return leaf
             matched = _common_pages(child.key, tokens, pos, len(tokens), ps)
             if matched < len(child.pages):
@@ -118,17 +131,21 @@ class RadixCache:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.evictable_pages += len(node.pages)
+                self._offer(node)
             node = node.parent
 
     # --- making room ---
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages (fewer only when fewer are evictable) from the least recently used
         unlocked leaves, each from its tail; returns how many were freed."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(leaves)
         freed = 0
-        while freed < num_pages and leaves:
-            _, _, leaf = heapq.heappop(leaves)
+        while freed < num_pages and self._leaves:  # (not held in a local: _offer may rebuild the heap)
+            stamp, _, leaf = heapq.heappop(self._leaves)
+            if not self._evictable(leaf):
+                continue
+            if stamp != leaf.last_access:  # used since it was offered: back in line under its new time
+                heapq.heappush(self._leaves, (leaf.last_access, id(leaf), leaf))
+                continue
             take = min(num_pages - freed, len(leaf.pages))
             gone = leaf.pages[len(leaf.pages) - take :]
             self.kv.drop(gone)
@@ -139,12 +156,28 @@ class RadixCache:
             if take < len(leaf.pages):  # the rest of the leaf stays, as recently used as it was
                 del leaf.pages[len(leaf.pages) - take :]
                 del leaf.key[len(leaf.pages) * self.page_size :]
+                heapq.heappush(self._leaves, (stamp, id(leaf), leaf))
                 continue
             parent = leaf.parent
             del parent.children[tuple(leaf.key[: self.page_size])]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+            leaf.parent = None  # out of the tree: its stale heap entries are dropped when they come out
+            self._nodes_in_tree -= 1
+            self._offer(parent)
         return freed
+
+    def _evictable(self, node: RadixNode) -> bool:
+        return node.parent is not None and node.epoch == self._epoch and not node.children and node.lock_ref == 0
+
+    def _offer(self, node: RadixNode) -> None:
+        """Queue `node` for eviction if it is an evictable leaf. Stale entries pile up as nodes are used and locked;
+        past twice the tree's size, the heap is rebuilt from the tree (rarely: amortised over those entries)."""
+        if not self._evictable(node):
+            return
+        if len(self._leaves) > 2 * self._nodes_in_tree + HEAP_SLACK:
+            self._leaves = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable(n)]
+            heapq.heapify(self._leaves)
+            return  # (the rebuilt heap holds `node`)
+        heapq.heappush(self._leaves, (node.last_access, id(node), node))
 
     def flush(self) -> None:
         """Drop every cached page, locked or not (the weights changed, or a failed step may have left bad K/V)."""
@@ -152,6 +185,7 @@ class RadixCache:
         self._epoch += 1
         self.root = RadixNode([], [], None, self._epoch)
         self.cached_pages = self.evictable_pages = 0
+        self._nodes_in_tree, self._leaves = 0, []
 
     def _nodes(self) -> list[RadixNode]:
         out, stack = [], list(self.root.children.values())
@@ -169,6 +203,7 @@ class RadixCache:
         node.parent.children[tuple(head.key[:ps])] = head
         node.key, node.pages, node.parent = node.key[num_pages * ps :], node.pages[num_pages:], head
         head.children[tuple(node.key[:ps])] = node
+        self._nodes_in_tree += 1
         return head
 
 
