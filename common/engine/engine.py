@@ -23,6 +23,7 @@ from omnirun.engine.detokenizer import IncrementalDetokenizer
 from omnirun.engine.request import FinishReason, Request
 from omnirun.engine.request_checks import check_request
 from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
+from omnirun.host_to_device import to_device
 from omnirun.memory.radix_cache import RadixCache
 from omnirun.runner import ModelRunner
 from omnirun.sampling import SamplingParams, TokenHistory
@@ -265,7 +266,7 @@ class Engine:
             rows = step.batch.req_pool_indices
             if len(requests) != step.batch.batch_size:
                 rows = rows[step.sampling]
-            on_device = torch.tensor([r.num_pending > 0 for r in requests], device=self.runner.device)
+            on_device = to_device([r.num_pending > 0 for r in requests], torch.bool, self.runner.device)
             pending = torch.where(on_device, self._row_tokens[rows], -1)
         prompts, outputs = [r.prompt_ids for r in requests], [r.output_ids for r in requests]
         return TokenHistory(prompts, outputs, pending, sorted(self.eos_token_ids))

@@ -1,7 +1,8 @@
 """Logit adjustments before sampling: repetition, frequency and presence penalties, logit bias, min_tokens.
 
-Built once per batch, and only when some request of the batch asks for one (`SamplingParams.adjusts_logits`);
-the math then runs as a few batched tensor ops over the whole [B, V] logits. The order is vLLM's: repetition
+Built once per batch, and only when some request of the batch asks for one (`SamplingParams.adjusts_logits`),
+from host tensors copied without a sync; the math then runs as a few batched tensor ops over the whole [B, V]
+logits. The order is vLLM's: repetition
 penalty, then frequency and presence penalties, then the logit bias, then min_tokens' mask.
 
 - repetition_penalty p (HF, vLLM): a token seen in the prompt or the output has its logit divided by p when
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from omnirun.errors import SamplingParamsError
+from omnirun.host_to_device import to_device
 from omnirun.sampling.params import SamplingParams
 
 
@@ -79,9 +81,9 @@ class LogitAdjustments:
         if biased:
             items = [(i, t, v) for i in biased for t, v in params[i].logit_bias.items()]
             bias = (
-                torch.tensor([i for i, _, _ in items], dtype=torch.int64, device=device),
-                torch.tensor([t for _, t, _ in items], dtype=torch.int64, device=device),
-                torch.tensor([v for _, _, v in items], dtype=torch.float32, device=device),
+                to_device([i for i, _, _ in items], torch.int64, device),
+                to_device([t for _, t, _ in items], torch.int64, device),
+                to_device([v for _, _, v in items], torch.float32, device),
             )
         banned = None
         held = [i for i, p in enumerate(params) if token_index[i] < p.min_tokens]
@@ -90,16 +92,15 @@ class LogitAdjustments:
             pairs = [(i, t) for i, ids in zip(held, stops, strict=True) for t in ids if t < vocab_size]
             if pairs:
                 banned = (
-                    torch.tensor([i for i, _ in pairs], dtype=torch.int64, device=device),
-                    torch.tensor([t for _, t in pairs], dtype=torch.int64, device=device),
+                    to_device([i for i, _ in pairs], torch.int64, device),
+                    to_device([t for _, t in pairs], torch.int64, device),
                 )
-        column = {"dtype": torch.float32, "device": device}
         return cls(
             counts=counts,
             prompt_seen=prompt_seen,
-            repetition=torch.tensor([[p.repetition_penalty] for p in params], **column),
-            frequency=torch.tensor([[p.frequency_penalty] for p in params], **column),
-            presence=torch.tensor([[p.presence_penalty] for p in params], **column),
+            repetition=to_device([[p.repetition_penalty] for p in params], torch.float32, device),
+            frequency=to_device([[p.frequency_penalty] for p in params], torch.float32, device),
+            presence=to_device([[p.presence_penalty] for p in params], torch.float32, device),
             bias=bias,
             banned=banned,
         )
@@ -116,7 +117,7 @@ class LogitAdjustments:
         if self.bias is not None:
             x.index_put_(self.bias[:2], self.bias[2], accumulate=True)
         if self.banned is not None:
-            x.index_put_(self.banned, torch.tensor(float("-inf"), device=x.device))
+            x.index_put_(self.banned, torch.full((), float("-inf"), device=x.device))
         return x
 
 
@@ -134,7 +135,7 @@ def _put(
     if not flat_rows:
         return
     index = (
-        torch.tensor(flat_rows, dtype=torch.int64, device=device),
-        torch.tensor([t for row_ids in ids for t in row_ids], dtype=torch.int64, device=device),
+        to_device(flat_rows, torch.int64, device),
+        to_device([t for row_ids in ids for t in row_ids], torch.int64, device),
     )
     target.index_put_(index, torch.full((len(flat_rows),), value, dtype=target.dtype, device=device), accumulate)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from omnirun.errors import SamplingParamsError
+from omnirun.host_to_device import to_device
 from omnirun.sampling.adjust import LogitAdjustments, TokenHistory
 from omnirun.sampling.params import SamplingParams
 
@@ -96,12 +97,12 @@ class SamplingBatch:
             if vocab_size is None:
                 raise SamplingParamsError("penalties, logit_bias and min_tokens need SamplingBatch.build(vocab_size=)")
             adjustments = LogitAdjustments.build(params, token_index, history, vocab_size, device)
-        return cls(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor([p.top_k if p.top_k > 0 else k_off for p in params], dtype=torch.int64, device=device),
-            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        return cls(  # each built on the host and copied without a sync (see omnirun.host_to_device)
+            temperatures=to_device(temperatures, torch.float32, device),
+            top_ps=to_device([p.top_p for p in params], torch.float32, device),
+            top_ks=to_device([p.top_k if p.top_k > 0 else k_off for p in params], torch.int64, device),
+            min_ps=to_device([p.min_p for p in params], torch.float32, device),
+            greedy=to_device(greedy, torch.bool, device),
             seeds=seeds,
             all_greedy=not sampled,
             any_top_p=any(p.top_p < 1 for p in sampled),
