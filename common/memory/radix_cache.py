@@ -10,7 +10,8 @@ Eviction runs on the decode path (a warm server's pool is full of cached pages, 
 evict), so its cost follows what it evicts, not the size of the tree: a heap holds every leaf that may be evictable,
 offered when it becomes one (inserted, unlocked, or left without children), and checked when it comes out (a leaf
 used since is put back under its new time; one locked, grown or gone is dropped, to be offered again later).
-Walking the whole tree instead cost 0.3 ms per decode step with 1,000 cached requests and 2.6 ms with 2,000.
+Walking the whole tree instead cost 0.3 ms per call with 1,000 cached requests of 512 tokens and 2.6 ms with 2,000
+(this CPU; the heap: about 0.05 ms).
 """
 
 from __future__ import annotations
