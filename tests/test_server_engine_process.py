@@ -219,3 +219,25 @@ def test_an_engine_process_at_tp2_serves_the_tp1_tokens_and_stops_its_ranks():
     finally:
         engine.close()
     assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a rank outlived its engine process"
+
+
+def test_more_waiting_requests_than_allowed_get_503_from_an_engine_process():
+    """--max-queued-requests over the engine process: with one running slot, a second stream waits for its first
+    token, and a third request beyond the limit of one waiting is refused with 503 while the first two go on."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with (
+        EngineProcess(device="cpu", dtype="float32", max_total_tokens=4096, max_running_requests=1) as engine,
+        running_server(create_app(engine, served_model_name=MODEL, max_queued_requests=1)) as url,
+        httpx.Client(base_url=url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as running,
+    ):
+        lines = running.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")  # it has a token
+        with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 3}) as waiting:
+            assert waiting.status_code == 200
+            refused = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 3})
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+            assert "--max-queued-requests" in refused.json()["error"]["message"]
+            assert [line for line in lines if line][-1] == "data: [DONE]"  # the running one goes on to its end
+            assert [line for line in waiting.iter_lines() if line][-1] == "data: [DONE]"
+        assert http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2}).status_code == 200
