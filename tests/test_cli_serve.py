@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from omnirun.cli import main
+from omnirun.distributed.world import free_port
 from omnirun.engine import LLM
 from omnirun.server.app import create_app
-from omnirun.server.testing import running_server
+from omnirun.server.testing import running_server, wait_until_healthy
 
 
 def test_bench_serve_loads_a_server_and_writes_json(tmp_path, capsys):
@@ -90,24 +89,13 @@ def test_bad_flags_are_one_line_errors(capsys, argv, message):
 
 
 def test_omnirun_serve_starts_on_the_embedded_model_and_answers():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # (a small race with other processes for this port; the test fails loudly if it loses it)
+    port = free_port()  # (a small race with other processes for this port; the test fails loudly if it loses it)
     argv = [sys.executable, "-m", "omnirun.cli", "serve", "--device", "cpu", "--port", str(port)]
     argv += ["--max-total-tokens", "4096", "--served-model-name", "tiny", "--log-level", "warning"]
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the server did not start within 120 s"
-                time.sleep(0.2)
+        wait_until_healthy(url, server)
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3}
         out = httpx.post(f"{url}/v1/completions", json=body).json()
         assert out["model"] == "tiny" and out["usage"]["completion_tokens"] == 3

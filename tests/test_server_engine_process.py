@@ -8,7 +8,6 @@ import asyncio
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,13 +18,14 @@ import httpx
 import openai
 import pytest
 
+from omnirun.distributed.world import free_port
 from omnirun.engine import LLM
 from omnirun.engine.process import EngineProcess, _how_it_ended
 from omnirun.engine.process_child import ENGINE_THREAD_DIED, LIVENESS_CHECK_S, _Sender, _StepOutbox
 from omnirun.engine.process_child import _serve as serve_the_parent
 from omnirun.sampling import SamplingParams
 from omnirun.server.app import create_app
-from omnirun.server.testing import running_server
+from omnirun.server.testing import running_server, wait_until_healthy
 
 MODEL = "tiny"
 
@@ -127,21 +127,10 @@ def _engine_children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
 def test_ctrl_c_stops_the_server_and_joins_its_engine_process():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     server = _serve("--port", str(port), "--max-total-tokens", "4096")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.communicate()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the server did not start within 120 s"
-                time.sleep(0.2)
+        wait_until_healthy(f"http://127.0.0.1:{port}", server)
         children = _engine_children(server.pid)
         assert len(children) == 1, "the engine should run in a child process"
         server.send_signal(signal.SIGINT)

@@ -1,9 +1,11 @@
-"""A server in a thread of this process, on a free port: what the server's tests (and a user's) talk to."""
+"""A server in a thread of this process, on a free port: what the server's tests (and a user's) talk to; and the
+wait for an `omnirun serve` started as a process of its own."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -36,3 +38,19 @@ def running_server(app: FastAPI, *, timeout_s: float = 30.0) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout_s)
         sock.close()
+
+
+def wait_until_healthy(url: str, server: subprocess.Popen, *, timeout_s: float = 120.0) -> None:
+    """Wait for `omnirun serve` at `url`, started as `server`, to answer /health with 200; AssertionError with its
+    output if it exits first, or when `timeout_s` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert server.poll() is None, server.communicate()
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, f"the server did not start within {timeout_s:.0f} s"
+            time.sleep(0.2)
