@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--timed-steps", type=int, default=20)
+    parser.add_argument("--trace", help="also write the profiled steps as a Chrome trace (chrome://tracing) here")
     args = parser.parse_args()
     llm = LLM(
         args.preset,
@@ -47,6 +48,8 @@ def main() -> None:
     with torch.profiler.profile() as prof:
         for _ in range(args.steps):
             engine.step()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     averages = prof.key_averages()
     print(averages.table(sort_by="device_time_total", row_limit=args.rows, max_name_column_width=60))
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))

@@ -32,6 +32,15 @@ def flashinfer_installed() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
+def _build_triton(context: Any) -> Any:
+    from omnirun.kernels.triton.attention_backend import TritonAttention  # imports triton: only when chosen
+
+    # Three pipeline stages for the decode kernel's K/V loads: on an H200 they read 1-7 % faster than two at every
+    # batch size and context swept (bench/results_h200_decode_tuning.json). The portable default stays at two,
+    # which is what fits AMD's 64 KiB of LDS.
+    return TritonAttention(context, decode_num_stages=3)
+
+
 def _build_flashinfer(context: Any) -> Any:
     from omnirun.devices.cuda.flashinfer_backend import FlashInferAttention  # imports flashinfer: only when chosen
 
@@ -97,7 +106,11 @@ class CudaPlatform(Platform):
         return torch_cuda_graph_api()
 
     def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
-        return {FLASHINFER: _build_flashinfer} if flashinfer_installed() else {}
+        # triton tuned for NVIDIA GPUs in place of the portable build (same name: it stays the default).
+        factories: dict[str, Callable[..., Any]] = {"triton": _build_triton} if offers_triton(self.capabilities) else {}
+        if flashinfer_installed():
+            factories[FLASHINFER] = _build_flashinfer
+        return factories
 
     def default_attention_backend(self, mode: AttentionMode) -> str:
         # Only on request for now, also where triton does not run (flashinfer needs nvcc for its first kernels).

@@ -240,10 +240,10 @@ def test_large_decode_batches_take_fewer_splits():
     assert backend.decode_splits(1) == 16 and backend.decode_splits(programs // 32) == 16
     assert backend.decode_splits(programs // 8) == 4 and backend.decode_splits(programs // 2) == 1
     assert backend.decode_splits(programs) == 1
-    # Between them, powers of two: 1024 // (2 * 88) -> 6 programs wanted, 8 taken (one kernel variant fewer).
-    assert [backend.decode_splits(b) for b in (88, 100, 200, 300)] == [8, 8, 4, 2]
+    # Between them, powers of two: 256 // (2 * 22) -> 6 programs wanted, 8 taken (one kernel variant fewer).
+    assert [backend.decode_splits(b) for b in (22, 25, 50, 75)] == [8, 8, 4, 2]
     assert TritonAttention(context, num_splits=3).decode_splits(1) == 3
-    assert TritonAttention(context, num_splits=6).decode_splits(100) == 6  # never above num_splits
+    assert TritonAttention(context, num_splits=6).decode_splits(25) == 6  # never above num_splits
 
 
 def test_a_large_decode_batch_in_one_split_matches_torch_native():

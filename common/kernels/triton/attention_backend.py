@@ -70,9 +70,10 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     supports_graph = True
-    # (request, KV head, split) programs enough to keep a large GPU busy: 132 SMs x 8 on an H200 (profiled at batch
-    # 256: 16 splits spent 3.1 ms of a 10.8 ms step on split + merge, for 1.1 ms of KV reads).
-    DECODE_PROGRAMS = 1024
+    # (request, KV head, split) programs enough to keep a large GPU busy: about two per SM of an H200's 132. Swept
+    # there (bench/decode_tuning.py, bench/results_h200_decode_tuning.json), 32 requests of 8 KV heads ran fastest
+    # in one split at 192-2,048 tokens (13.3 against 18.0 us a layer with 4 splits at 192), and one request in 16.
+    DECODE_PROGRAMS = 256
 
     def __init__(
         self,

@@ -143,6 +143,20 @@ def test_capabilities_describe_the_current_device(fake_gpu):
     assert ("get_device_capability", 1) in fake_gpu.calls
 
 
+def test_cuda_builds_triton_attention_with_its_tuned_decode_launch(fake_gpu, monkeypatch: pytest.MonkeyPatch):
+    pytest.importorskip("triton")
+    from omnirun.kernels.triton.attention_backend import TritonAttention
+
+    monkeypatch.setattr(cuda_module, "triton_installed", lambda: True)
+    monkeypatch.setattr(cuda_module, "flashinfer_installed", lambda: False)
+    cuda = CudaPlatform()
+    assert cuda.attention_backends() == ("triton", "torch_native")
+    backend = cuda.attention_backend_factories()["triton"](types.SimpleNamespace())
+    assert isinstance(backend, TritonAttention) and backend.name == "triton"
+    assert backend._decode_launch["num_stages"] == 3  # the portable default is 2
+    assert TritonAttention(types.SimpleNamespace())._decode_launch["num_stages"] == 2
+
+
 def test_no_triton_without_the_package(fake_gpu, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cuda_module, "triton_installed", lambda: False)
     monkeypatch.setattr(cuda_module, "flashinfer_installed", lambda: False)
