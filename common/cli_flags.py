@@ -14,7 +14,7 @@ _VALUE_FLAGS: list[tuple[str, type, str]] = [
     ("--page-size", int, "tokens per KV-cache page"),
     ("--mem-fraction-static", float, "share of device memory for weights + KV cache (default: the platform's)"),
     ("--max-total-tokens", int, "cap on the KV pool in tokens"),
-    ("--max-running-requests", int, "requests decoded together at most"),
+    ("--max-running-requests", int, "requests decoded together at most (default: from the KV pool, 256..1024)"),
     ("--context-length", int, "longest prompt + output (default: the model's max_position_embeddings)"),
     ("--attention-backend", str, "attention backend for prefill and decode"),
     ("--prefill-attention-backend", str, "attention backend for prefill only"),

@@ -229,3 +229,34 @@ def test_a_cap_equal_to_what_fits_is_still_a_cap():
     capped = plan(max_total_tokens=fits)
     assert capped.num_tokens == fits and f"capped by --max-total-tokens {fits}" in capped.explanation
     assert "does not fit" in plan(max_total_tokens=fits + 16).explanation
+
+
+def test_default_running_requests_follow_the_pool_within_bounds():
+    from omnirun.memory import default_max_running_requests
+    from omnirun.memory.sizing import DEFAULT_RUNNING_REQUESTS, DEFAULT_TOKENS_PER_REQUEST
+
+    assert DEFAULT_RUNNING_REQUESTS == (256, 1024) and DEFAULT_TOKENS_PER_REQUEST == 512
+    assert default_max_running_requests(4096) == 256  # a small pool keeps the floor
+    assert default_max_running_requests(300 * 512 + 511) == 300
+    assert default_max_running_requests(850_000) == 1024  # Llama-3-8B on an H200
+    assert default_max_running_requests(10**9) == 1024
+
+
+@pytest.mark.parametrize(("pool_tokens", "rows"), [(4096, 256), (200_000, 390)])
+def test_a_runner_without_the_flag_takes_its_running_limit_from_the_pool(tiny_checkpoints, pool_tokens, rows):
+    from omnirun.devices.cpu.platform import CpuPlatform
+    from omnirun.testing import make_runner
+
+    runner = make_runner(CpuPlatform(), tiny_checkpoints["llama"].plain, max_total_tokens=pool_tokens)
+    try:
+        assert runner.kv.total_tokens == pool_tokens
+        assert runner.max_running_requests == rows == runner.kv.req_to_token.max_requests
+    finally:
+        runner.close()
+    runner = make_runner(
+        CpuPlatform(), tiny_checkpoints["llama"].plain, max_total_tokens=pool_tokens, max_running_requests=3
+    )
+    try:
+        assert runner.max_running_requests == 3 == runner.kv.req_to_token.max_requests  # the flag wins
+    finally:
+        runner.close()

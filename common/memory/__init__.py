@@ -7,7 +7,7 @@ from omnirun.memory.kv_dtype import resolve_kv_cache_dtype, supported_kv_cache_d
 from omnirun.memory.kv_memory import KVMemory
 from omnirun.memory.page_allocator import PageAllocator
 from omnirun.memory.req_to_token import ReqToTokenPool
-from omnirun.memory.sizing import KVPoolPlan, plan_kv_pool
+from omnirun.memory.sizing import KVPoolPlan, default_max_running_requests, plan_kv_pool
 
 __all__ = [
     "KVMemory",
@@ -15,6 +15,7 @@ __all__ = [
     "PageAllocator",
     "PagedKVCache",
     "ReqToTokenPool",
+    "default_max_running_requests",
     "plan_kv_pool",
     "resolve_kv_cache_dtype",
     "supported_kv_cache_dtype_names",

@@ -8,6 +8,19 @@ from omnirun.errors import ConfigError, KVPoolTooSmallError
 
 _REQ_TO_TOKEN_ENTRY_BYTES = 4  # the request-to-token table is int32
 
+# Without --max-running-requests, as many requests run at once as the pool holds at DEFAULT_TOKENS_PER_REQUEST
+# tokens each, between the bounds: Llama-3-8B on an H200 holds ~850k tokens, so 1,024, which ran 1,000 prompts of
+# 256 -> 256 tokens at 15,911 output tok/s against 14,370 with 256 (bench/results_h200_offline_bs*_f81960b.json);
+# a small device keeps 256. The table is sized for the upper bound while the pool is planned.
+DEFAULT_RUNNING_REQUESTS = (256, 1024)
+DEFAULT_TOKENS_PER_REQUEST = 512
+
+
+def default_max_running_requests(pool_tokens: int) -> int:
+    """The running-request limit for a pool of `pool_tokens` when the user sets none."""
+    low, high = DEFAULT_RUNNING_REQUESTS
+    return min(high, max(low, pool_tokens // DEFAULT_TOKENS_PER_REQUEST))
+
 
 @dataclasses.dataclass(frozen=True)
 class KVPoolPlan:
