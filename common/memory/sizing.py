@@ -9,9 +9,10 @@ from omnirun.errors import ConfigError, KVPoolTooSmallError
 _REQ_TO_TOKEN_ENTRY_BYTES = 4  # the request-to-token table is int32
 
 # Without --max-running-requests, as many requests run at once as the pool holds at DEFAULT_TOKENS_PER_REQUEST
-# tokens each, between the bounds: Llama-3-8B on an H200 holds ~850k tokens, so 1,024, which ran 1,000 prompts of
-# 256 -> 256 tokens at 15,911 output tok/s against 14,370 with 256 (bench/results_h200_offline_bs{256,1024}_1000_f81960b.json);
-# a small device keeps 256. The table is sized for the upper bound while the pool is planned.
+# tokens each, between the bounds. Llama-3-8B on an H200 holds ~836k tokens, so 1,024: 1,000 prompts of 256 -> 256
+# ran at 15,911 output tok/s there against 14,370 with 256 running
+# (bench/results_h200_offline_bs{256,1024}_1000_f81960b.json). A small device keeps 256. The table is sized for the
+# upper bound while the pool is planned.
 DEFAULT_RUNNING_REQUESTS = (256, 1024)
 DEFAULT_TOKENS_PER_REQUEST = 512
 
