@@ -7,7 +7,7 @@ Each case holds one layer's worth of K/V per request at Llama-3-8B's attention s
 head dim 128, bf16), in pages interleaved as serving leaves them. A CUDA graph replays the kernel over several such
 layers in turn (as many as keep their K/V out of L2 between visits, up to `--layers`), so a time is what one layer of
 a decode step pays, launch gaps included; `GB/s` is the K/V bytes read over that time. The fastest settings per case
-are printed first, then the current default's time for comparison.
+are printed first, then the times of the portable default launch and of the one the cuda platform builds.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import types
 
 import torch
 from attention_backends import cached_requests, make_kv
@@ -94,9 +95,8 @@ def main() -> None:
         layers = case_layers(batch_size, context, args)
         q = torch.randn(batch_size, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
         kv_bytes = 2 * batch_size * context * args.kv_heads * args.head_dim * 2
-        # The backend's split count for this batch (what a captured graph of this size uses today).
-        pairs = batch_size * args.kv_heads
-        default_splits = min(16, 1 << (-(-TritonAttention.DECODE_PROGRAMS // pairs) - 1).bit_length())
+        # The backend's own split count for this batch (what a captured graph of this size uses).
+        default_splits = TritonAttention(types.SimpleNamespace(num_kv_heads=args.kv_heads)).decode_splits(batch_size)
         times = []
         for block_n, warps, stages, splits in itertools.product(
             args.block_n, args.num_warps, args.num_stages, split_counts(args, batch_size, default_splits)
@@ -109,11 +109,14 @@ def main() -> None:
             times.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "splits": splits, "us": us})
         times.sort(key=lambda t: t["us"])
         setting = lambda t: (t["block_n"], t["num_warps"], t["num_stages"], t["splits"])  # noqa: E731
-        default = next((t for t in times if setting(t) == (64, 4, 2, default_splits)), None)
-        for t in times[: args.top] + ([default] if default else []):
-            tag = "default" if t is default else "best"
+        # The portable backend's launch (two stages) and the one the cuda platform builds (three).
+        defaults = {
+            tag: next((t for t in times if setting(t) == (64, 4, stages, default_splits)), None)
+            for tag, stages in (("portable", 2), ("cuda", 3))
+        }
+        for tag, t in [("best", t) for t in times[: args.top]] + [(k, v) for k, v in defaults.items() if v]:
             print(
-                f"bs={batch_size:<4} ctx={context:<5} {tag:7} block_n={t['block_n']:<3} warps={t['num_warps']} "
+                f"bs={batch_size:<4} ctx={context:<5} {tag:8} block_n={t['block_n']:<3} warps={t['num_warps']} "
                 f"stages={t['num_stages']} splits={t['splits']:<2} {t['us']:8.2f} us  "
                 f"{kv_bytes / t['us'] / 1e3:6.0f} GB/s",
                 flush=True,
