@@ -496,6 +496,7 @@ class ModelRunner:
             "kv_tokens": self.kv.total_tokens,
             "page_size": self.kv.page_size,
             "context_length": self.context_length,
+            "max_running_requests": self.max_running_requests,
             "attention": self.attention.name,
             "graph_runner": type(self.graph_runner).__name__ if self.graph_runner else "eager",
         }

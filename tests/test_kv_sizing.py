@@ -251,6 +251,7 @@ def test_a_runner_without_the_flag_takes_its_running_limit_from_the_pool(tiny_ch
     try:
         assert runner.kv.total_tokens == pool_tokens
         assert runner.max_running_requests == rows == runner.kv.req_to_token.max_requests
+        assert runner.describe()["max_running_requests"] == rows  # what the start-up line shows
     finally:
         runner.close()
     runner = make_runner(
