@@ -238,7 +238,7 @@ def test_default_running_requests_follow_the_pool_within_bounds():
     assert DEFAULT_RUNNING_REQUESTS == (256, 1024) and DEFAULT_TOKENS_PER_REQUEST == 512
     assert default_max_running_requests(4096) == 256  # a small pool keeps the floor
     assert default_max_running_requests(300 * 512 + 511) == 300
-    assert default_max_running_requests(850_000) == 1024  # Llama-3-8B on an H200
+    assert default_max_running_requests(836_030) == 1024  # Llama-3-8B's pool on an H200
     assert default_max_running_requests(10**9) == 1024
 
 
