@@ -50,11 +50,10 @@ from omnirun.memory import (
     PageAllocator,
     PagedKVCache,
     ReqToTokenPool,
-    default_max_running_requests,
     plan_kv_pool,
     resolve_kv_cache_dtype,
 )
-from omnirun.memory.sizing import DEFAULT_RUNNING_REQUESTS, DEFAULT_TOKENS_PER_REQUEST
+from omnirun.memory.sizing import DEFAULT_RUNNING_REQUESTS
 from omnirun.models.architecture import decoder_shape
 from omnirun.models.decoder import DecoderForCausalLM
 from omnirun.models.tp_layout import tp_layout
@@ -116,7 +115,7 @@ class ModelRunner:
         self.context_length = context_length(self.model_config, config.context_length)
         self.dtype = resolve_model_dtype(config.dtype, self.model_config, self.capabilities)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
-        # Without the flag, the most the default allows until the pool is planned (`default_max_running_requests`).
+        # Without the flag, the most the default allows until the pool is planned and sets it (`plan_kv_pool`).
         self.max_running_requests = config.max_running_requests or DEFAULT_RUNNING_REQUESTS[1]
         self._attention_choice = self._choose_attention()
         tp_layout(self.shape, config.tp_size, 0)  # heads and MLP split over --tp-size, or a one-line error now
@@ -219,21 +218,12 @@ class ModelRunner:
             raise error from None
         plan = self._agree_on_kv_pool(plan, free, total)
         logger.info("KV cache: %s", plan.explanation)
-        if self.config.max_running_requests is None:
-            # From the agreed pool, so every rank of a tensor-parallel group takes the same number.
-            self.max_running_requests = default_max_running_requests(plan.num_tokens)
-            logger.info(
-                "max running requests: %d (no --max-running-requests: the pool's %d tokens at %d per request, "
-                "within %d..%d)",
-                self.max_running_requests,
-                plan.num_tokens,
-                DEFAULT_TOKENS_PER_REQUEST,
-                *DEFAULT_RUNNING_REQUESTS,
-            )
+        # From the agreed plan: every rank of a tensor-parallel group has the same pool, so the same limit.
+        self.max_running_requests = plan.max_running_requests
         page_size = plan.page_size
         return KVMemory(
             PageAllocator(plan.num_pages, page_size),
-            ReqToTokenPool(self.max_running_requests, self.context_length, self.device),
+            ReqToTokenPool(plan.max_running_requests, self.context_length, self.device),
             PagedKVCache(
                 shape.num_layers,
                 (plan.num_pages + 1) * page_size,  # + the padding page 0
@@ -257,7 +247,7 @@ class ModelRunner:
             ),
             page_size=self.config.page_size,
             context_length=self.context_length,
-            max_running_requests=self.max_running_requests,
+            max_running_requests=self.config.max_running_requests,
             max_total_tokens=max_total_tokens or self.config.max_total_tokens,
             reserved_bytes=self.graph_runner.reserved_bytes() if self.graph_runner is not None else 0,
         )

@@ -261,3 +261,12 @@ def test_a_runner_without_the_flag_takes_its_running_limit_from_the_pool(tiny_ch
         assert runner.max_running_requests == 3 == runner.kv.req_to_token.max_requests  # the flag wins
     finally:
         runner.close()
+
+
+def test_a_plan_without_a_running_limit_takes_the_pools_default_and_budgets_the_largest_table():
+    p = plan(max_running_requests=None)
+    # The table is budgeted for 1,024 rows: 1024 x 4096 x 4 bytes taken out of the 39 GiB budget.
+    assert p.req_to_token_bytes == 1024 * 4096 * 4
+    assert p.num_tokens == ((39 * GiB - 1024 * 4096 * 4) // LLAMA8B_BPT // 16 - 1) * 16
+    assert p.max_running_requests == 623 == p.num_tokens // 512
+    assert "at most 623 running requests (no --max-running-requests" in p.explanation

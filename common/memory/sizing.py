@@ -50,7 +50,7 @@ def _validate(
     bytes_per_token: int,
     page_size: int,
     context_length: int,
-    max_running_requests: int,
+    max_running_requests: int | None,
     max_total_tokens: int | None,
     reserved_bytes: int,
 ) -> None:
@@ -60,7 +60,7 @@ def _validate(
         raise ConfigError(f"--page-size {page_size} is invalid: use a page size >= 1")
     if context_length < 1:
         raise ConfigError(f"--context-length {context_length} is invalid: use a length >= 1")
-    if max_running_requests < 1:
+    if max_running_requests is not None and max_running_requests < 1:
         raise ConfigError(f"--max-running-requests {max_running_requests} is invalid: use a value >= 1")
     if max_total_tokens is not None and max_total_tokens < 1:
         raise ConfigError(f"--max-total-tokens {max_total_tokens} is invalid: use a value >= 1 or leave it unset")
@@ -83,7 +83,7 @@ def plan_kv_pool(
     bytes_per_token: int,
     page_size: int,
     context_length: int,
-    max_running_requests: int,
+    max_running_requests: int | None,
     max_total_tokens: int | None = None,
     reserved_bytes: int = 0,
 ) -> KVPoolPlan:
@@ -92,7 +92,8 @@ def plan_kv_pool(
     The static share of the device, `total_bytes * mem_fraction_static`, holds the weights and the KV cache; the
     weights are already loaded (they are no longer in `free_bytes`), so the KV budget is what is free minus the
     non-static share, minus `reserved_bytes` (e.g. graph memory), minus the request-to-token table. The budget
-    also pays for the padding page 0, so the buffers actually allocated never exceed it.
+    also pays for the padding page 0, so the buffers actually allocated never exceed it. `max_running_requests`
+    None: the plan's limit is `default_max_running_requests` of the pool it finds.
     """
     _validate(
         free_bytes,
@@ -105,7 +106,9 @@ def plan_kv_pool(
         max_total_tokens,
         reserved_bytes,
     )
-    req_to_token_bytes = max_running_requests * context_length * _REQ_TO_TOKEN_ENTRY_BYTES
+    # Without a limit the table is budgeted for the default's upper bound; the limit then follows the pool.
+    table_rows = max_running_requests or DEFAULT_RUNNING_REQUESTS[1]
+    req_to_token_bytes = table_rows * context_length * _REQ_TO_TOKEN_ENTRY_BYTES
     non_static = total_bytes * (1 - mem_fraction_static)
     budget = int(free_bytes - non_static - reserved_bytes - req_to_token_bytes)
     fit_tokens = max(budget, 0) // bytes_per_token
@@ -121,13 +124,21 @@ def plan_kv_pool(
         else:
             cap_note = f"; --max-total-tokens {max_total_tokens} does not fit, using what fits"
     num_tokens = num_pages * page_size
+    running_note = ""
+    if max_running_requests is None:
+        max_running_requests = default_max_running_requests(num_tokens)
+        low, high = DEFAULT_RUNNING_REQUESTS
+        running_note = (
+            f"; at most {max_running_requests} running requests (no --max-running-requests: "
+            f"{DEFAULT_TOKENS_PER_REQUEST} tokens each, within {low}..{high})"
+        )
 
     explanation = (
         f"KV pool: free {_size(free_bytes)} - total {_size(total_bytes)} x (1 - mem_fraction_static "
         f"{mem_fraction_static:g}) - reserved {_size(reserved_bytes)} - req_to_token {_size(req_to_token_bytes)} "
-        f"({max_running_requests} x {context_length} x 4 B) = budget {_size(budget)}; "
+        f"({table_rows} x {context_length} x 4 B) = budget {_size(budget)}; "
         f"{bytes_per_token} B/token -> {fit_tokens} tokens = {fit_pages} pages of {page_size} + 1 padding page"
-        f"{cap_note}; pool {num_tokens} tokens in {num_pages} pages"
+        f"{cap_note}; pool {num_tokens} tokens in {num_pages} pages{running_note}"
     )
 
     if num_tokens < context_length:
