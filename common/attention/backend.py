@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -67,6 +68,18 @@ class AttentionLayerSpec:
     sliding_window: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+    """A layer's rotary embedding, handed to the backend unapplied so that a backend may fuse it into its KV store
+    (one kernel where two ran); every other backend calls `apply`, the model's own rotation (its ops table)."""
+
+    positions: torch.Tensor  # [tokens]
+    # float32 [max_positions, head_dim]: cos of the head_dim / 2 frequencies, then their sin (NeoX halves)
+    cos_sin_cache: torch.Tensor
+    head_dim: int
+    apply: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (q, k) -> rotated (q, k)
+
+
 class AttentionBackend(abc.ABC):
     name: ClassVar[str]
     # True when the metadata for DECODE can live in static buffers a captured graph replays.
@@ -80,11 +93,20 @@ class AttentionBackend(abc.ABC):
         """Plan the batch once, before the layers run."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        batch: ForwardBatch,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         """q [tokens, heads*head_dim], k/v [tokens, kv_heads*head_dim] -> [tokens, heads*head_dim].
 
-        Stores k/v at `batch.out_cache_loc` first, so the new tokens attend to themselves through the cache."""
+        Rotates q and k by `rotary` where given, then stores k/v at `batch.out_cache_loc`, so the new tokens
+        attend to themselves through the cache."""
+        if rotary is not None:
+            q, k = rotary.apply(q, k)
         if batch.mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)
@@ -147,6 +169,9 @@ class HybridAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._for(batch).init_forward_metadata(batch)
+
+    def forward(self, q, k, v, layer, batch, rotary=None):
+        return self._for(batch).forward(q, k, v, layer, batch, rotary)
 
     def forward_extend(self, q, k, v, layer, batch):
         return self.prefill.forward_extend(q, k, v, layer, batch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omnirun.attention.backend import AttentionBackend, AttentionLayerSpec
+from omnirun.attention.backend import AttentionBackend, AttentionLayerSpec, Rotary
 from omnirun.batch import ForwardBatch
 
 
@@ -15,9 +15,15 @@ class PagedAttention(nn.Module):
         self.spec = spec
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        return backend.forward(q, k, v, self.spec, batch)
+        return backend.forward(q, k, v, self.spec, batch, rotary)
 
     def extra_repr(self) -> str:
         s = self.spec

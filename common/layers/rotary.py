@@ -7,11 +7,13 @@ own `ROPE_INIT_FUNCTIONS`, so they are right by construction.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
+from omnirun.attention.backend import Rotary
 from omnirun.errors import UnsupportedModelError
 from omnirun.layers.ops import Ops
 
@@ -61,3 +63,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
+
+    def at(self, positions: torch.Tensor) -> Rotary:
+        """The rotation of a batch's tokens, for the attention backend to apply (or fuse into its KV store)."""
+        return Rotary(positions, self.cos_sin_cache, self.head_dim, functools.partial(self.forward, positions))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omnirun.attention.backend import AttentionBackend, AttentionLayerSpec
+from omnirun.attention.backend import AttentionBackend, AttentionLayerSpec, Rotary
 from omnirun.batch import ForwardBatch
 from omnirun.distributed.tensor_parallel import TensorParallel
 from omnirun.layers.activation import SiluAndMul
@@ -65,14 +65,14 @@ class SelfAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
+        self, rotary: Rotary, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch, backend))
+        # The backend rotates q and k (by itself, or fused into its KV store).
+        return self.o_proj(self.attn(q, k, v, batch, backend, rotary))
 
 
 class MLP(nn.Module):
@@ -109,7 +109,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rotary: Rotary,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch, backend)
+        hidden = self.self_attn(rotary, hidden, batch, backend)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -142,12 +142,14 @@ class DecoderModel(nn.Module):
             DecoderLayer(shape, i, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout) for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
+        self.rotary = rotary  # the layers' shared table
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         residual = None
+        rotary = self.rotary.at(batch.positions)
         for layer in self.layers:
-            hidden, residual = layer(batch.positions, hidden, residual, batch, backend)
+            hidden, residual = layer(rotary, hidden, residual, batch, backend)
         if residual is None:  # a model without layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +25,9 @@ from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
 BF16_MIN_SM = (8, 0)  # Ampere: bf16 tensor cores; older GPUs only emulate bf16, slowly
 FP8_MIN_SM = (8, 9)  # Ada and Hopper: fp8 tensor cores
 TRITON_MIN_SM = (7, 5)  # Turing: the oldest GPUs current triton releases still compile for
+PDL_MIN_SM = (9, 0)  # Hopper: programmatic dependent launch (griddepcontrol)
+# "0" launches the Triton kernels without programmatic dependent launch (to compare, or to rule it out).
+PDL_ENV = "OMNIRUN_CUDA_PDL"
 
 FLASHINFER = "flashinfer"
 
@@ -32,13 +37,14 @@ def flashinfer_installed() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def _build_triton(context: Any) -> Any:
+def _build_triton(context: Any, pdl: bool) -> Any:
     from omnirun.kernels.triton.attention_backend import TritonAttention  # imports triton: only when chosen
 
     # Three pipeline stages for the decode kernel's K/V loads: on an H200 they took up to 8 % less time than two in
     # 14 of the 15 cases swept (batches of 1-512 at 192-2,048 tokens; 0.4 % more at 512 x 192;
     # bench/results_h200_decode_tuning.json). The portable default stays at two, what fits AMD's 64 KiB of LDS.
-    return TritonAttention(context, decode_num_stages=3)
+    # The last split merges (no merge launch per layer), measured on an H200 (README, Performance).
+    return TritonAttention(context, decode_num_stages=3, pdl=pdl, fuse_merge=True)
 
 
 def _build_flashinfer(context: Any) -> Any:
@@ -93,21 +99,35 @@ class CudaPlatform(Platform):
             async_execution=True,
         )
 
+    def uses_pdl(self) -> bool:
+        """Whether the Triton kernels launch with programmatic dependent launch: on Hopper and later, unless
+        OMNIRUN_CUDA_PDL=0. Each kernel's launch then overlaps the end of the one before it."""
+        if not offers_triton(self.capabilities) or os.environ.get(PDL_ENV, "1") == "0":
+            return False
+        if not torch.cuda.is_available():  # capabilities set by hand (tests): no device to ask
+            return False
+        return tuple(torch.cuda.get_device_capability(self.current_device())) >= PDL_MIN_SM
+
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
         # The Triton GEMV for one-row matmuls is cuda's own, not a portable kernel: it beat cuBLAS only where it
-        # was measured (an H200, bench/results_h200_gemv.json) and is untried on ROCm and XPU.
+        # was measured (an H200, bench/results_h200_gemv.json) and is untried on ROCm and XPU. With PDL the
+        # portable kernels are replaced by the same ones launched with it.
         if not offers_triton(self.capabilities):
             return {}
         from omnirun.kernels.triton.gemv import skinny_linear_ops  # imports triton
+        from omnirun.kernels.triton.ops import triton_fused_ops
 
-        return skinny_linear_ops()
+        pdl = self.uses_pdl()
+        return {**(triton_fused_ops(pdl=True) if pdl else {}), **skinny_linear_ops(pdl=pdl)}
 
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()
 
     def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
         # triton tuned for NVIDIA GPUs in place of the portable build (same name: it stays the default).
-        factories: dict[str, Callable[..., Any]] = {"triton": _build_triton} if offers_triton(self.capabilities) else {}
+        factories: dict[str, Callable[..., Any]] = {}
+        if offers_triton(self.capabilities):
+            factories["triton"] = functools.partial(_build_triton, pdl=self.uses_pdl())
         if flashinfer_installed():
             factories[FLASHINFER] = _build_flashinfer
         return factories

@@ -14,11 +14,13 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton attention backend needs it")
 
-from omnirun.attention.backend import AttentionContext, AttentionLayerSpec  # noqa: E402
+from omnirun.attention.backend import AttentionContext, AttentionLayerSpec, HybridAttentionBackend, Rotary  # noqa: E402
 from omnirun.attention.registry import attention_factories, portable_backends  # noqa: E402
 from omnirun.attention.torch_native import TorchNativeAttention  # noqa: E402
 from omnirun.batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
 from omnirun.kernels.triton.attention_backend import TritonAttention  # noqa: E402
+from omnirun.layers import native_ops  # noqa: E402
+from omnirun.layers.rotary import cos_sin_table  # noqa: E402
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool  # noqa: E402
 from omnirun.platform import Capabilities  # noqa: E402
 from omnirun.testing import fill_prefixes  # noqa: E402
@@ -124,12 +126,15 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, case: Case) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[case.q_dtype], rtol=TOLERANCE[case.q_dtype])
 
 
-def triton_backend(context: AttentionContext, case: Case) -> TritonAttention:
-    return TritonAttention(context, case.num_splits, extend_block_m=case.block, extend_block_n=case.block)
+def triton_backend(context: AttentionContext, case: Case, fuse_merge: bool = False) -> TritonAttention:
+    return TritonAttention(
+        context, case.num_splits, extend_block_m=case.block, extend_block_n=case.block, fuse_merge=fuse_merge
+    )
 
 
+@pytest.mark.parametrize("fuse_merge", [False, True], ids=["merge_kernel", "merge_in_split"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_decode_matches_torch_native(case):
+def test_decode_matches_torch_native(case, fuse_merge):
     kv, context, layer = make_setup(case, seed=1)
     rng = random.Random(case.head_dim + case.num_heads)
     # A request with nothing cached (one key: itself), short ones and ones long enough for several splits.
@@ -139,8 +144,11 @@ def test_decode_matches_torch_native(case):
     assert batch.mode is ForwardMode.DECODE
     q, k, v = qkv(case, batch.num_tokens)
     want = run(TorchNativeAttention(context), q, k, v, layer, batch)
-    got = run(triton_backend(context, case), q, k, v, layer, batch)
+    backend = triton_backend(context, case, fuse_merge)
+    got = run(backend, q, k, v, layer, batch)
     assert_close(got, want, case)
+    if fuse_merge:  # every counter back at zero for the next launch
+        assert backend._decode.merge_counts is not None and not backend._decode.merge_counts.any()
 
 
 @pytest.mark.parametrize("with_prefix", [False, True], ids=["no_prefix", "prefix"])
@@ -180,10 +188,11 @@ def padded(batch: ForwardBatch, size: int) -> ForwardBatch:
     )
 
 
-def test_graph_replay_with_padding_matches_eager():
+@pytest.mark.parametrize("fuse_merge", [False, True], ids=["merge_kernel", "merge_in_split"])
+def test_graph_replay_with_padding_matches_eager(fuse_merge):
     case = Case(16, 64, 8, 2, None, torch.float32, torch.float32, num_splits=4)
     kv, context, layer = make_setup(case, seed=3)
-    backend = triton_backend(context, case)
+    backend = triton_backend(context, case, fuse_merge)
     backend.init_graph_state(max_batch_size=8)
     graph_size = 5
     reference = TorchNativeAttention(context)
@@ -258,3 +267,68 @@ def test_a_large_decode_batch_in_one_split_matches_torch_native():
     q, k, v = qkv(case, batch.num_tokens)
     want = run(TorchNativeAttention(context), q, k, v, layer, batch)
     assert_close(run(backend, q, k, v, layer, batch), want, case)
+
+
+def _rotary(case: Case, positions: torch.Tensor, calls: list) -> Rotary:
+    """A Rotary applying the torch-native rotation, counting its calls (a fusing backend makes none)."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, case.head_dim, 2).float() / case.head_dim))
+    table = cos_sin_table(inv_freq, 1.0, CONTEXT_LEN).to(DEVICE)
+
+    def apply(q, k):
+        calls.append(1)
+        q2, k2 = native_ops.rotary_embedding(positions, q, k, table, case.head_dim)
+        return q2.view(q.shape), k2.view(k.shape)
+
+    return Rotary(positions, table, case.head_dim, apply)
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6]], ids=str)
+def test_rotary_fused_into_the_store_equals_rotating_first(case, mode):
+    """Handed the rotation, the backend fuses it into its KV store (never calling `apply`) and gives the output and
+    cache bits of rotating first and storing after; through a hybrid backend too."""
+    prefix_lens = [0, 9, 70]
+    new_tokens = [[1]] * 3 if mode == "decode" else [[1] * 5, [1], [1] * 12]
+    results = []
+    for fused in (False, True, True):
+        kv, context, layer = make_setup(case, seed=6)
+        rows = fill_prefixes(kv, prefix_lens)
+        batch = build_batch(kv, rows, prefix_lens, new_tokens, DEVICE)
+        torch.manual_seed(7)
+        q, k, v = qkv(case, batch.num_tokens)
+        qkv_out = torch.cat([q, k, v], 1)  # strided views, as the model hands them over
+        q, k, v = qkv_out.split([q.shape[1], k.shape[1], v.shape[1]], 1)
+        calls: list = []
+        rotary = _rotary(case, batch.positions, calls)
+        backend = triton_backend(context, case)
+        if len(results) == 2:  # the third run: the same backend behind a hybrid
+            backend = HybridAttentionBackend(triton_backend(context, case), backend)
+        backend.init_forward_metadata(batch)
+        if fused:
+            out = backend.forward(q, k, v, layer, batch, rotary)
+            assert not calls
+        else:
+            q, k = rotary.apply(q, k)
+            out = backend.forward(q, k, v, layer, batch)
+        k_cache, v_cache = kv.kv_cache.get_kv(0)
+        results.append((out, k_cache.clone(), v_cache.clone()))
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_rotary_the_store_cannot_take_is_applied_first():
+    """A cache the fused kernel does not take (fnuz fp8 here, or any other refusal) gets `apply`, then the store."""
+    fnuz = getattr(torch, "float8_e4m3fnuz", None)
+    if fnuz is None:
+        pytest.skip("torch lacks float8_e4m3fnuz")
+    case = Case(1, 64, 4, 2, None, torch.bfloat16, fnuz)
+    kv, context, layer = make_setup(case, seed=8)
+    rows = fill_prefixes(kv, [3])
+    batch = build_batch(kv, rows, [3], [[1]], DEVICE)
+    q, k, v = qkv(case, batch.num_tokens)
+    calls: list = []
+    backend = triton_backend(context, case)
+    backend.init_forward_metadata(batch)
+    backend.forward(q, k, v, layer, batch, _rotary(case, batch.positions, calls))
+    assert calls == [1]

@@ -16,7 +16,9 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 from omnirun.attention.backend import AttentionContext, AttentionLayerSpec  # noqa: E402
 from omnirun.attention.torch_native import TorchNativeAttention  # noqa: E402
 from omnirun.kernels.triton.attention_backend import TritonAttention  # noqa: E402
-from omnirun.kernels.triton.kv_store import store_kv, supports  # noqa: E402
+from omnirun.kernels.triton.kv_store import fuses_rotary, rotate_and_store_kv, store_kv, supports  # noqa: E402
+from omnirun.layers import native_ops  # noqa: E402
+from omnirun.layers.rotary import cos_sin_table  # noqa: E402
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -210,3 +212,60 @@ def test_graph_replay_stores_new_data(compiled_triton_platform):
     compiled_triton_platform.synchronize()
     _assert_same_bits(mine.k_buffers[0], ref.k_buffers[0])
     _assert_same_bits(mine.v_buffers[0], ref.v_buffers[0])
+
+
+# (q heads, kv heads, head_dim): Llama-3-8B; Qwen2.5-0.5B's 14/2 at 64; 80 (half 40: masked lanes); 36 heads of 128
+# need two programs a token; MHA.
+ROPE_SHAPES = [(32, 8, 128), (14, 2, 64), (4, 2, 80), (36, 36, 128), (4, 4, 64)]
+
+
+def _rope_inputs(n: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    """q, k, v as strided views of one qkv output, positions and a float32 cos|sin table of 300 positions."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    qkv = torch.cat([_values(n, w, gen) for w in widths], 1).to(dtype).to(DEVICE)
+    q, k, v = qkv.split(widths, dim=1)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    table = cos_sin_table(inv_freq, 1.0, 300).to(DEVICE)
+    positions = torch.randint(0, 300, (n,), generator=gen).to(DEVICE)
+    return q, k, v, positions, table
+
+
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: f"q{s[0]}-kv{s[1]}-d{s[2]}")
+@pytest.mark.parametrize("input_dtype", INPUT_DTYPES, ids=_name)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, *FP8], ids=_name)
+def test_rotate_and_store_is_the_rotary_reference_then_set_kv(cache_dtype, input_dtype, shape):
+    """One launch gives the bits of the torch-native rotation followed by the torch store: q rotated in place, the
+    rotated k and the plain v in the written slots, every other slot untouched; k itself is left as it was."""
+    q_heads, kv_heads, head_dim = shape
+    n = 5
+    q, k, v, positions, table = _rope_inputs(n, q_heads, kv_heads, head_dim, input_dtype, seed=sum(shape))
+    want_q, want_k = native_ops.rotary_embedding(positions, q.clone(), k.clone(), table, head_dim)
+    k_before = k.clone()
+    ref, mine = _caches(3 * n + 4, kv_heads, head_dim, cache_dtype)
+    slots = torch.randperm(3 * n + 4, generator=torch.Generator().manual_seed(n))[:n].to(DEVICE)
+    cache_shape = (n, kv_heads, head_dim)
+    ref.set_kv(0, slots, want_k.reshape(cache_shape), v.reshape(cache_shape))
+    assert fuses_rotary(mine.k_buffers[0], positions, q, k, v, table, head_dim)
+    rotate_and_store_kv(mine.k_buffers[0], mine.v_buffers[0], slots, positions, q, k, v, table, head_dim)
+    _assert_same_bits(q, want_q.view(q.shape))
+    _assert_same_bits(mine.k_buffers[0], ref.k_buffers[0])
+    _assert_same_bits(mine.v_buffers[0], ref.v_buffers[0])
+    _assert_same_bits(k, k_before)
+
+
+def test_fuses_rotary_only_what_both_kernels_take():
+    q, k, v, positions, table = _rope_inputs(3, 4, 2, 64, torch.bfloat16, seed=5)
+    cache = torch.zeros(8, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    assert fuses_rotary(cache, positions, q, k, v, table, 64)
+    assert not fuses_rotary(cache, positions[None], q, k, v, table, 64)  # positions must be 1-D
+    assert not fuses_rotary(cache.to(torch.int8), positions, q, k, v, table, 64)  # a cache dtype the store lacks
+    assert not fuses_rotary(cache, positions, q, k, v.to(torch.float16), table, 64)  # v unlike k
+    assert not fuses_rotary(cache, positions, q, k, v.t().contiguous().t(), table, 64)  # v's rows not contiguous
+    assert not fuses_rotary(cache, positions, q, k[:, :64], v[:, :64], table, 64)  # k narrower than a cache row
+    odd = torch.zeros(8, 2, 63, dtype=torch.bfloat16, device=DEVICE)
+    assert not fuses_rotary(odd, positions, q[:, :252], k[:, :126], v[:, :126], table, 63)  # odd head_dim
+    if hasattr(torch, "float8_e4m3fnuz"):
+        assert not fuses_rotary(cache.to(torch.float8_e4m3fnuz), positions, q, k, v, table, 64)
+    with pytest.raises(ValueError, match="fuses_rotary"):
+        rotate_and_store_kv(cache, cache.clone(), positions, positions[None], q, k, v, table, 64)

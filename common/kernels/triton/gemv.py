@@ -8,6 +8,7 @@ over the whole K once, with no split-K reduction kernel afterwards.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from omnirun.kernels.triton.pdl import launch_options, wait_for_previous_kernel
 from omnirun.layers import native_ops
 
 # Weights of up to this many elements go through the GEMV for one-row inputs. On an H200 (bench/gemv_sweep.py) it
@@ -41,6 +43,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,7 +54,17 @@ def _gemv_kernel(
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    if USE_PDL:
+        # No kernel writes the weight: its first block is loaded before waiting for the previous kernel, so the
+        # load's latency overlaps that kernel's end (without PDL this peeling only costs: measured on an H200).
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        wait_for_previous_kernel(USE_PDL)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
@@ -72,6 +85,7 @@ def gemv(
     block_k: int = 512,
     num_warps: int = 4,
     num_stages: int = 3,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) for small M; weight rows contiguous."""
     m, k = x.shape
@@ -92,13 +106,17 @@ def gemv(
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(pdl),
     )
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any = None, *, pdl: bool = False
+) -> torch.Tensor:
     """The ops table's `linear`: the GEMV for one row and a weight small enough to gain from it, else torch's."""
     if (
         x.dim() == 2
@@ -109,10 +127,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pre
         and x.stride(1) == 1
         and weight.stride(1) == 1
     ):
-        return gemv(x, weight, bias, **_ONE_ROW_LAUNCH)
+        return gemv(x, weight, bias, **_ONE_ROW_LAUNCH, pdl=pdl)
     return F.linear(x, weight, bias)
 
 
-def skinny_linear_ops() -> dict[str, Any]:
-    """Op table entries for a platform's `fused_ops` (the weight is used as loaded: no prepared form)."""
-    return {"linear": linear, "prepare_linear": native_ops.prepare_linear}
+def skinny_linear_ops(pdl: bool = False) -> dict[str, Any]:
+    """Op table entries for a platform's `fused_ops` (the weight is used as loaded: no prepared form); `pdl`: the
+    GEMV launched with programmatic dependent launch (`omnirun.kernels.triton.pdl`)."""
+    return {
+        "linear": functools.partial(linear, pdl=True) if pdl else linear,
+        "prepare_linear": native_ops.prepare_linear,
+    }

@@ -2,6 +2,8 @@
 
 `PagedKVCache.set_kv` takes a cast and an indexed store for each of K and V (plus a copy when V is a strided view of
 the fused qkv output); this kernel reads both rows of a token once and writes them, cast, to its slot.
+`rotate_and_store_kv` also applies the rotary embedding on the way (q in place, k into the cache): one launch
+where rotary + store took two.
 
 Casts give the bits torch's `.to(cache dtype)` gives. fp8 (e4m3fn, e5m2; scale 1) is rounded in software, the way
 torch 2.13's conversion does it: round to nearest even; e4m3fn saturates finite overflow and inf to +-448 (torch
@@ -18,7 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from omnirun.kernels.triton.ops import round_to
+from omnirun.kernels.triton.ops import (
+    BIT_EXACT_LAUNCH,
+    rope_cos_sin,
+    rope_kernel_takes,
+    rope_launch,
+    rotate_halves,
+    round_to,
+)
+from omnirun.kernels.triton.pdl import launch_options, wait_for_previous_kernel
 
 # What the kernel does to a value before storing it (a constexpr: one compiled variant per cache dtype).
 _CAST, _E4M3_BITS, _E5M2_BITS = 0, 1, 2
@@ -88,8 +98,10 @@ def _store_kv_kernel(
     width,
     KIND: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (token, chunk): one chunk of the token's K row and of its V row, to row `slots[token]`."""
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
@@ -116,12 +128,9 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def store_kv(
+def _check_store(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Write k, v ([n, kv_heads*head_dim] or [n, kv_heads, head_dim]; rows may be strided) into rows `slots`
-    ([n], any integer dtype, unique unless the rows written are equal) of the caches ([num_slots, kv_heads,
-    head_dim], contiguous), cast to the cache dtype."""
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k and v caches differ: {tuple(k_cache.shape)} {k_cache.dtype}, {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -136,11 +145,33 @@ def store_kv(
             f"k, v must be [n, {width}] (or [n, kv_heads, head_dim]) with n slots; got {tuple(k.shape)}, "
             f"{tuple(v.shape)}, slots {tuple(slots.shape)}"
         )
-    if n == 0:
-        return
+
+
+def _cache_bytes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(cast kind, the caches as the kernels write them: fp8 ones as their bytes)."""
     kind = _kind(k_cache.dtype)
     if kind in (_E4M3_BITS, _E5M2_BITS):
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        return kind, k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    return kind, k_cache, v_cache
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    pdl: bool = False,
+) -> None:
+    """Write k, v ([n, kv_heads*head_dim] or [n, kv_heads, head_dim]; rows may be strided) into rows `slots`
+    ([n], any integer dtype, unique unless the rows written are equal) of the caches ([num_slots, kv_heads,
+    head_dim], contiguous), cast to the cache dtype."""
+    _check_store(k_cache, v_cache, slots, k, v)
+    n, width = k.shape[0], k_cache.shape[1:].numel()
+    if n == 0:
+        return
+    kind, k_cache, v_cache = _cache_bytes(k_cache, v_cache)
     k, v = _rows(k, width), _rows(v, width)
     block = min(triton.next_power_of_2(width), 4096)
     _store_kv_kernel[(n, triton.cdiv(width, block))](
@@ -154,5 +185,148 @@ def store_kv(
         width,
         KIND=kind,
         BLOCK=block,
+        USE_PDL=pdl,
         num_warps=max(1, min(8, block // 256)),
+        **launch_options(pdl),
+    )
+
+
+@triton.jit
+def _rotate_and_store_kv_kernel(
+    positions_ptr,
+    cos_sin_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    cos_sin_stride,
+    q_stride,
+    k_stride,
+    v_stride,
+    q_heads,
+    kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    KIND: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Program (token, chunk of heads): rotates the chunk's q heads in place, and writes its k heads rotated and
+    its v heads as they are to row `slots[token]` of the caches, cast."""
+    wait_for_previous_kernel(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    first_head = tl.program_id(1) * BLOCK_HEADS
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = d < HALF
+    dtype = q_ptr.dtype.element_ty
+    cos, sin = rope_cos_sin(cos_sin_ptr + position * cos_sin_stride, d, d_mask, HALF, dtype)
+
+    head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
+    q_mask = (head < q_heads) & d_mask
+    q_first = q_ptr + token * q_stride + head * (2 * HALF) + d
+    q1, q2 = rotate_halves(
+        tl.load(q_first, mask=q_mask, other=0.0).to(tl.float32),
+        tl.load(q_first + HALF, mask=q_mask, other=0.0).to(tl.float32),
+        cos,
+        sin,
+        dtype,
+    )
+    tl.store(q_first, q1, mask=q_mask)
+    tl.store(q_first + HALF, q2, mask=q_mask)
+
+    kv_mask = (head < kv_heads) & d_mask
+    in_row = head * (2 * HALF) + d
+    dst = tl.load(slots_ptr + token).to(tl.int64) * (kv_heads * 2 * HALF) + in_row
+    out_ty = k_cache_ptr.dtype.element_ty
+    k_first = k_ptr + token * k_stride + in_row
+    k1, k2 = rotate_halves(
+        tl.load(k_first, mask=kv_mask, other=0.0).to(tl.float32),
+        tl.load(k_first + HALF, mask=kv_mask, other=0.0).to(tl.float32),
+        cos,
+        sin,
+        dtype,
+    )
+    tl.store(k_cache_ptr + dst, _cast(k1, out_ty, KIND), mask=kv_mask)
+    tl.store(k_cache_ptr + dst + HALF, _cast(k2, out_ty, KIND), mask=kv_mask)
+    v_first = v_ptr + token * v_stride + in_row
+    tl.store(v_cache_ptr + dst, _cast(tl.load(v_first, mask=kv_mask), out_ty, KIND), mask=kv_mask)
+    tl.store(v_cache_ptr + dst + HALF, _cast(tl.load(v_first + HALF, mask=kv_mask), out_ty, KIND), mask=kv_mask)
+
+
+def fuses_rotary(
+    k_cache: torch.Tensor,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> bool:
+    """Whether `rotate_and_store_kv` takes these inputs: what the rotary kernel and the store kernel both take,
+    with k and v as [n, kv_heads * head_dim] rows of the cache's width."""
+    return (
+        rope_kernel_takes(positions, q, k, cos_sin_cache, head_dim)
+        and supports(k_cache.dtype, k.dtype)
+        and v.dtype == k.dtype
+        and v.dim() == 2
+        and v.stride(-1) == 1
+        and k_cache.dim() == 3
+        and k_cache.shape[2] == head_dim
+        and k.shape[1] == v.shape[1] == k_cache.shape[1] * head_dim
+        and q.shape[1] % head_dim == 0
+    )
+
+
+def rotate_and_store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    *,
+    pdl: bool = False,
+) -> None:
+    """`ops.rotary_embedding(positions, q, k, ...)` then `store_kv(k_cache, v_cache, slots, k, v)` in one launch,
+    with the same bits, except that k itself is left unrotated (only its cached copy is): q [n, heads*head_dim]
+    is rotated in place, k and v ([n, kv_heads*head_dim], rows may be strided views of the qkv output) land in
+    rows `slots` of the caches. Callers check `fuses_rotary` first."""
+    _check_store(k_cache, v_cache, slots, k, v)
+    if not fuses_rotary(k_cache, positions, q, k, v, cos_sin_cache, head_dim):
+        raise ValueError("rotate_and_store_kv: inputs the kernel does not take (check fuses_rotary first)")
+    tokens = q.shape[0]
+    if tokens == 0:
+        return
+    kind, k_cache, v_cache = _cache_bytes(k_cache, v_cache)
+    q_heads, kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    half, block_half, block_heads, num_warps = rope_launch(head_dim, max(q_heads, kv_heads))
+    _rotate_and_store_kv_kernel[(tokens, triton.cdiv(max(q_heads, kv_heads), block_heads))](
+        positions,
+        cos_sin_cache,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        cos_sin_cache.stride(0),
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        q_heads,
+        kv_heads,
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_HEADS=block_heads,
+        KIND=kind,
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        **BIT_EXACT_LAUNCH,
+        **launch_options(pdl),
     )

@@ -12,6 +12,7 @@ dtypes the kernels do not handle go through the references.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from omnirun.kernels.triton.pdl import launch_options, wait_for_previous_kernel
 from omnirun.layers import native_ops
 
 
@@ -73,7 +75,7 @@ def _rsqrt(x):
 
 # Torch runs the reference as separate kernels, each rounding its result; letting the compiler fuse a multiply
 # and an add into one FMA would skip a rounding and break bit-exactness. Every launch passes this.
-_LAUNCH = {"enable_fp_fusion": False}
+BIT_EXACT_LAUNCH = {"enable_fp_fusion": False}
 
 
 def _num_warps(elements: int) -> int:
@@ -113,7 +115,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
     col = tl.arange(0, BLOCK)[None, :]
     mask = (row < rows) & (col < n)
@@ -138,6 +142,7 @@ def _launch_rms_norm(
     out: torch.Tensor,
     summed: torch.Tensor | None,
     eps: float,
+    pdl: bool,
 ) -> None:
     rows, n = x.shape
     if rows == 0:
@@ -163,8 +168,10 @@ def _launch_rms_norm(
         HAS_RESIDUAL=has_residual,
         BLOCK_ROWS=block_rows,
         BLOCK=block,
+        USE_PDL=pdl,
         num_warps=_num_warps(block_rows * block),
-        **_LAUNCH,
+        **BIT_EXACT_LAUNCH,
+        **launch_options(pdl),
     )
 
 
@@ -172,19 +179,19 @@ def _kernel_can_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype in _KERNEL_DTYPES and weight.dtype in _KERNEL_DTYPES and weight.is_contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False) -> torch.Tensor:
     """weight * x / rms(x) over the last dimension: the statistic in float32, the normalised value rounded to x's
     dtype, then multiplied by the weight (in the dtype torch promotes x and weight to), as `native_ops.rms_norm`."""
     if not _kernel_can_norm(x, weight):
         return native_ops.rms_norm(x, weight, eps)
     rows = _as_rows(x)
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _launch_rms_norm(rows, None, weight, out, None, eps)
+    _launch_rms_norm(rows, None, weight, out, None, eps, pdl)
     return out.view(x.shape)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass, the sum rounded to the dtype as the reference does.
 
@@ -200,7 +207,7 @@ def add_rms_norm(
     # `residual` being one tensor would make both outputs land in the same memory.
     distinct = x_rows.data_ptr() != residual_rows.data_ptr()
     out = x_rows if out_dtype == x.dtype and distinct else torch.empty(x_rows.shape, dtype=out_dtype, device=x.device)
-    _launch_rms_norm(x_rows, residual_rows, weight, out, residual_rows, eps)
+    _launch_rms_norm(x_rows, residual_rows, weight, out, residual_rows, eps, pdl)
     return out.view(x.shape), residual_rows.view(x.shape)
 
 
@@ -208,7 +215,8 @@ def add_rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < d
@@ -220,7 +228,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.cons
     tl.store(out_ptr + row * out_stride + col, out, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dimension, as `native_ops.silu_and_mul`."""
     if x.dtype not in _KERNEL_DTYPES or x.shape[-1] % 2:
         return native_ops.silu_and_mul(x)
@@ -231,7 +239,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         # Column tiles keep a program's registers bounded for wide MLPs (d = 14336 and more).
         block = min(triton.next_power_of_2(d), 2048)
         _silu_and_mul_kernel[(tokens, triton.cdiv(d, block))](
-            rows, out, d, rows.stride(0), out.stride(0), BLOCK=block, num_warps=_num_warps(block), **_LAUNCH
+            rows,
+            out,
+            d,
+            rows.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            USE_PDL=pdl,
+            num_warps=_num_warps(block),
+            **BIT_EXACT_LAUNCH,
+            **launch_options(pdl),
         )
     return out.view(*x.shape[:-1], d)
 
@@ -240,17 +257,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def rope_cos_sin(row_ptr, d, d_mask, HALF: tl.constexpr, dtype: tl.constexpr):
+    """cos and sin of one position ([1, BLOCK_HALF] float32) from its row of the float32 cos|sin table, rounded to
+    the activation dtype first as the reference casts the table before rotating."""
+    cos = round_to(tl.load(row_ptr + d, mask=d_mask, other=0.0), dtype).to(tl.float32)
+    sin = round_to(tl.load(row_ptr + HALF + d, mask=d_mask, other=0.0), dtype).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def rotate_halves(x1, x2, cos, sin, dtype: tl.constexpr):
+    """NeoX rotation of a head's halves (float32 in): x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2 | x1],
+    each product rounded to `dtype`, then the sum, as the reference rounds."""
+    out1 = round_to(round_to(x1 * cos, dtype).to(tl.float32) - round_to(x2 * sin, dtype).to(tl.float32), dtype)
+    out2 = round_to(round_to(x2 * cos, dtype).to(tl.float32) + round_to(x1 * sin, dtype).to(tl.float32), dtype)
+    return out1, out2
+
+
+@triton.jit
 def _rotate_heads(row_ptr, heads, first_head, cos, sin, d, d_mask, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
-    """Rotate heads [first_head, first_head + BLOCK_HEADS) of one token's row in place (NeoX: half against half)."""
-    dtype = row_ptr.dtype.element_ty
+    """Rotate heads [first_head, first_head + BLOCK_HEADS) of one token's row in place."""
     head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
     mask = (head < heads) & d_mask
     first_ptr = row_ptr + head * (2 * HALF) + d
     x1 = tl.load(first_ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    # x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2 | x1]: each product rounded, then the sum.
-    out1 = round_to(round_to(x1 * cos, dtype).to(tl.float32) - round_to(x2 * sin, dtype).to(tl.float32), dtype)
-    out2 = round_to(round_to(x2 * cos, dtype).to(tl.float32) + round_to(x1 * sin, dtype).to(tl.float32), dtype)
+    out1, out2 = rotate_halves(x1, x2, cos, sin, row_ptr.dtype.element_ty)
     tl.store(first_ptr, out1, mask=mask)
     tl.store(first_ptr + HALF, out2, mask=mask)
 
@@ -269,37 +301,34 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per (token, chunk of heads): the chunk's q heads and its k heads (masked past their counts).
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     first_head = tl.program_id(1) * BLOCK_HEADS
     position = tl.load(positions_ptr + token).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_mask = d < HALF
-    # The reference casts the float32 table to the activation dtype before rotating.
-    dtype = q_ptr.dtype.element_ty
-    cos = round_to(tl.load(cache_ptr + position * cache_stride + d, mask=d_mask, other=0.0), dtype).to(tl.float32)
-    sin = round_to(tl.load(cache_ptr + position * cache_stride + HALF + d, mask=d_mask, other=0.0), dtype)
-    sin = sin.to(tl.float32)
+    cos, sin = rope_cos_sin(cache_ptr + position * cache_stride, d, d_mask, HALF, q_ptr.dtype.element_ty)
     _rotate_heads(q_ptr + token * q_stride, q_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
     _rotate_heads(k_ptr + token * k_stride, k_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
 
 
-def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [tokens, heads*head_dim] and k [tokens, kv_heads*head_dim] by their positions (NeoX layout),
-    in place, and return them, with the roundings of `native_ops.rotary_embedding`.
+def rope_launch(head_dim: int, heads: int) -> tuple[int, int, int, int]:
+    """(half, block_half, block_heads, num_warps) of a rotary launch over `heads` heads a token: chunks of up to
+    ~2K values a program, bounded registers and more programs for small batches."""
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_heads = max(1, min(triton.next_power_of_2(heads), 2048 // block_half))
+    return half, block_half, block_heads, _num_warps(block_heads * block_half)
 
-    q and k may be row views of a fused qkv output (row stride larger than the row; last dimension contiguous).
-    `cos_sin_cache` is float32 [max_positions, head_dim] (cos of the head_dim/2 frequencies, then their sin);
-    every position must be below max_positions (not checked: that would cost a device sync).
-    """
-    usable = (
+
+def rope_kernel_takes(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int
+) -> bool:
+    """Whether the rotary kernels take these inputs (else the reference rotates them)."""
+    return (
         positions.dim() == 1
         and positions.is_contiguous()
         and q.dtype in _KERNEL_DTYPES
@@ -311,7 +340,25 @@ def rotary_embedding(
         and cos_sin_cache.stride(-1) == 1
         and head_dim % 2 == 0
     )
-    if not usable:
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    *,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [tokens, heads*head_dim] and k [tokens, kv_heads*head_dim] by their positions (NeoX layout),
+    in place, and return them, with the roundings of `native_ops.rotary_embedding`.
+
+    q and k may be row views of a fused qkv output (row stride larger than the row; last dimension contiguous).
+    `cos_sin_cache` is float32 [max_positions, head_dim] (cos of the head_dim/2 frequencies, then their sin);
+    every position must be below max_positions (not checked: that would cost a device sync).
+    """
+    if not rope_kernel_takes(positions, q, k, cos_sin_cache, head_dim):
         rotated_q, rotated_k = native_ops.rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
         q.copy_(rotated_q.view(q.shape))
         k.copy_(rotated_k.view(k.shape))
@@ -319,11 +366,8 @@ def rotary_embedding(
     tokens = q.shape[0]
     if tokens == 0:
         return q, k
-    half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
     q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
-    # Heads go in chunks of up to ~2K values per program: bounded registers, and more programs for small batches.
-    block_heads = max(1, min(triton.next_power_of_2(max(q_heads, k_heads)), 2048 // block_half))
+    half, block_half, block_heads, num_warps = rope_launch(head_dim, max(q_heads, k_heads))
     _rotary_kernel[(tokens, triton.cdiv(max(q_heads, k_heads), block_heads))](
         positions,
         q,
@@ -337,17 +381,21 @@ def rotary_embedding(
         HALF=half,
         BLOCK_HALF=block_half,
         BLOCK_HEADS=block_heads,
-        num_warps=_num_warps(block_heads * block_half),
-        **_LAUNCH,
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        **BIT_EXACT_LAUNCH,
+        **launch_options(pdl),
     )
     return q, k
 
 
-def triton_fused_ops() -> dict[str, Callable[..., Any]]:
-    """The op table entries these kernels provide, for a platform's `fused_ops()`."""
-    return {
+def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
+    """The op table entries these kernels provide, for a platform's `fused_ops()`; `pdl`: launched with
+    programmatic dependent launch (`omnirun.kernels.triton.pdl`), for platforms that have it."""
+    ops = {
         "rms_norm": rms_norm,
         "add_rms_norm": add_rms_norm,
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
     }
+    return {name: functools.partial(op, pdl=True) for name, op in ops.items()} if pdl else ops

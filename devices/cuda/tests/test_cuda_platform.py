@@ -35,6 +35,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpu.count)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu.count > 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: gpu.current)
     monkeypatch.setattr(torch.cuda, "get_device_capability", record("get_device_capability", lambda d: gpu.capability))
     monkeypatch.setattr(torch.cuda, "get_device_name", record("get_device_name", lambda d: f"NVIDIA GPU {d}"))
@@ -154,7 +155,37 @@ def test_cuda_builds_triton_attention_with_its_tuned_decode_launch(fake_gpu, mon
     backend = cuda.attention_backend_factories()["triton"](types.SimpleNamespace())
     assert isinstance(backend, TritonAttention) and backend.name == "triton"
     assert backend._decode_launch["num_stages"] == 3  # the portable default is 2
-    assert TritonAttention(types.SimpleNamespace())._decode_launch["num_stages"] == 2
+    assert backend.fuse_merge  # the portable default keeps the merge kernel
+    portable = TritonAttention(types.SimpleNamespace())
+    assert portable._decode_launch["num_stages"] == 2 and not portable.fuse_merge
+
+
+@pytest.mark.parametrize(
+    ("capability", "env", "pdl"),
+    [((9, 0), None, True), ((10, 0), None, True), ((8, 9), None, False), ((9, 0), "0", False)],
+)
+def test_triton_kernels_launch_with_pdl_from_hopper_on(fake_gpu, monkeypatch, capability, env, pdl):
+    """Programmatic dependent launch on compute capability 9.0 and later unless OMNIRUN_CUDA_PDL=0: the attention
+    backend, the portable fused ops (replaced by the same kernels launched with it) and the GEMV all get it."""
+    pytest.importorskip("triton")
+    from omnirun.kernels.triton import gemv, ops
+
+    fake_gpu.capability = capability
+    if env is None:
+        monkeypatch.delenv(cuda_module.PDL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cuda_module.PDL_ENV, env)
+    monkeypatch.setattr(cuda_module, "flashinfer_installed", lambda: False)
+    cuda = CudaPlatform()
+    assert cuda.uses_pdl() is pdl
+    assert cuda.attention_backend_factories()["triton"](types.SimpleNamespace()).pdl is pdl
+    fused = cuda.fused_ops()
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear"):
+        op = fused[name]
+        if pdl:
+            assert op.keywords == {"pdl": True}, name
+        else:
+            assert op in (getattr(ops, name, None), gemv.linear), name
 
 
 def test_no_triton_without_the_package(fake_gpu, monkeypatch: pytest.MonkeyPatch):
