@@ -126,15 +126,12 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, case: Case) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[case.q_dtype], rtol=TOLERANCE[case.q_dtype])
 
 
-def triton_backend(context: AttentionContext, case: Case, fuse_merge: bool = False) -> TritonAttention:
-    return TritonAttention(
-        context, case.num_splits, extend_block_m=case.block, extend_block_n=case.block, fuse_merge=fuse_merge
-    )
+def triton_backend(context: AttentionContext, case: Case) -> TritonAttention:
+    return TritonAttention(context, case.num_splits, extend_block_m=case.block, extend_block_n=case.block)
 
 
-@pytest.mark.parametrize("fuse_merge", [False, True], ids=["merge_kernel", "merge_in_split"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_decode_matches_torch_native(case, fuse_merge):
+def test_decode_matches_torch_native(case):
     kv, context, layer = make_setup(case, seed=1)
     rng = random.Random(case.head_dim + case.num_heads)
     # A request with nothing cached (one key: itself), short ones and ones long enough for several splits.
@@ -144,11 +141,8 @@ def test_decode_matches_torch_native(case, fuse_merge):
     assert batch.mode is ForwardMode.DECODE
     q, k, v = qkv(case, batch.num_tokens)
     want = run(TorchNativeAttention(context), q, k, v, layer, batch)
-    backend = triton_backend(context, case, fuse_merge)
-    got = run(backend, q, k, v, layer, batch)
+    got = run(triton_backend(context, case), q, k, v, layer, batch)
     assert_close(got, want, case)
-    if fuse_merge:  # every counter back at zero for the next launch
-        assert backend._decode.merge_counts is not None and not backend._decode.merge_counts.any()
 
 
 @pytest.mark.parametrize("with_prefix", [False, True], ids=["no_prefix", "prefix"])
@@ -188,11 +182,10 @@ def padded(batch: ForwardBatch, size: int) -> ForwardBatch:
     )
 
 
-@pytest.mark.parametrize("fuse_merge", [False, True], ids=["merge_kernel", "merge_in_split"])
-def test_graph_replay_with_padding_matches_eager(fuse_merge):
+def test_graph_replay_with_padding_matches_eager():
     case = Case(16, 64, 8, 2, None, torch.float32, torch.float32, num_splits=4)
     kv, context, layer = make_setup(case, seed=3)
-    backend = triton_backend(context, case, fuse_merge)
+    backend = triton_backend(context, case)
     backend.init_graph_state(max_batch_size=8)
     graph_size = 5
     reference = TorchNativeAttention(context)

@@ -15,7 +15,7 @@ import torch
 from omnirun.attention.backend import AttentionBackend, AttentionContext, AttentionLayerSpec, Rotary
 from omnirun.batch import ForwardBatch, ForwardMode
 from omnirun.kernels.triton import kv_store as triton_kv_store
-from omnirun.kernels.triton.decode import decode_attention, merge_counters, partial_buffers
+from omnirun.kernels.triton.decode import decode_attention, partial_buffers
 from omnirun.kernels.triton.extend import extend_attention
 
 
@@ -25,20 +25,6 @@ class _DecodeMetadata:
     seq_lens: torch.Tensor  # [batch] int32: keys per request, its new token included
     part_out: torch.Tensor  # [batch, heads, splits, head_dim] float32 scratch of the split stage
     part_lse: torch.Tensor  # [batch, heads, splits] float32 scratch of the split stage
-    merge_counts: torch.Tensor | None  # [batch, kv_heads] int32 zeros: the split stage merges (fuse_merge)
-
-
-@dataclasses.dataclass
-class _Scratch:
-    """What the decode split stage writes besides the output, for up to `part_out.shape[0]` requests."""
-
-    part_out: torch.Tensor  # [batch, heads, most splits, head_dim] float32
-    part_lse: torch.Tensor  # [batch, heads, most splits] float32
-    merge_counts: torch.Tensor | None  # [batch, kv_heads] int32 zeros, with fuse_merge
-
-    def first(self, batch_size: int, num_splits: int) -> _Scratch:
-        counts = None if self.merge_counts is None else self.merge_counts[:batch_size]
-        return _Scratch(self.part_out[:batch_size, :, :num_splits], self.part_lse[:batch_size, :, :num_splits], counts)
 
 
 @dataclasses.dataclass
@@ -56,16 +42,19 @@ class _GraphBuffers:
 
     req_rows: torch.Tensor
     seq_lens: torch.Tensor
-    scratch: _Scratch
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
 
     @property
     def max_batch_size(self) -> int:
         return self.req_rows.shape[0]
 
     def views(self, batch_size: int, num_splits: int) -> _DecodeMetadata:
-        s = self.scratch.first(batch_size, num_splits)
         return _DecodeMetadata(
-            self.req_rows[:batch_size], self.seq_lens[:batch_size], s.part_out, s.part_lse, s.merge_counts
+            self.req_rows[:batch_size],
+            self.seq_lens[:batch_size],
+            self.part_out[:batch_size, :, :num_splits],
+            self.part_lse[:batch_size, :, :num_splits],
         )
 
 
@@ -78,8 +67,7 @@ class TritonAttention(AttentionBackend):
     takes fewer splits (one at the largest batches, which then skips the merge and its scratch traffic).
     The rotary embedding a layer hands over is fused into the KV store where the kernel takes its inputs.
     The remaining arguments tune the kernels' launches (None: the tiles `extend.extend_tiles` picks); `pdl`
-    launches the decode-path kernels with programmatic dependent launch (`omnirun.kernels.triton.pdl`);
-    `fuse_merge` has the last split of each request's KV head merge the splits (no merge launch).
+    launches the decode-path kernels with programmatic dependent launch (`omnirun.kernels.triton.pdl`).
     """
 
     name = "triton"
@@ -100,13 +88,12 @@ class TritonAttention(AttentionBackend):
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
         pdl: bool = False,
-        fuse_merge: bool = False,
     ):
         super().__init__(context)
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         self.num_splits = num_splits
-        self.pdl, self.fuse_merge = pdl, fuse_merge
+        self.pdl = pdl
         self._decode_launch = dict(
             block_n=decode_block_n, num_warps=decode_num_warps, num_stages=decode_num_stages, pdl=pdl
         )
@@ -115,14 +102,15 @@ class TritonAttention(AttentionBackend):
         self._extend: _ExtendMetadata | None = None
         self._graph: _GraphBuffers | None = None
         # Eager decode scratch, grown to the largest batch seen and shared by every layer and step.
-        self._scratch: _Scratch | None = None
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- metadata ---
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
-            s = self._eager_scratch(batch.batch_size).first(batch.batch_size, self.decode_splits(batch.batch_size))
+            part_out, part_lse = self._eager_scratch(batch.batch_size)
+            splits = self.decode_splits(batch.batch_size)
             self._decode = _DecodeMetadata(
-                batch.req_pool_indices, batch.seq_lens, s.part_out, s.part_lse, s.merge_counts
+                batch.req_pool_indices, batch.seq_lens, part_out[:, :, :splits], part_lse[:, :, :splits]
             )
             return
         extend_lens = batch.extend_seq_lens_cpu.to(torch.int32)
@@ -142,17 +130,14 @@ class TritonAttention(AttentionBackend):
         wanted = -(-self.DECODE_PROGRAMS // pairs)
         return min(self.num_splits, 1 << (wanted - 1).bit_length())  # the power of two at or above
 
-    def _new_scratch(self, batch_size: int) -> _Scratch:
-        ctx = self.context
-        part_out, part_lse = partial_buffers(batch_size, ctx.num_heads, self.num_splits, ctx.head_dim, ctx.device)
-        counts = merge_counters(batch_size, ctx.num_kv_heads, ctx.device) if self.fuse_merge else None
-        return _Scratch(part_out, part_lse, counts)
-
-    def _eager_scratch(self, batch_size: int) -> _Scratch:
-        if self._scratch is None or self._scratch.part_out.shape[0] < batch_size:
+    def _eager_scratch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._scratch is None or self._scratch[0].shape[0] < batch_size:
             # Powers of two: a growing batch reallocates a handful of times, not on every new size.
-            self._scratch = self._new_scratch(1 << max(batch_size - 1, 0).bit_length())
-        return self._scratch
+            size = 1 << max(batch_size - 1, 0).bit_length()
+            ctx = self.context
+            self._scratch = partial_buffers(size, ctx.num_heads, self.num_splits, ctx.head_dim, ctx.device)
+        part_out, part_lse = self._scratch
+        return part_out[:batch_size], part_lse[:batch_size]
 
     # --- forward ---
     def forward(
@@ -231,12 +216,11 @@ class TritonAttention(AttentionBackend):
         k_cache, v_cache = self.context.kv.kv_cache.get_kv(layer.layer_id)
         meta = self._decode
         batch_size = q.shape[0]
-        part_out, part_lse, merge_counts = meta.part_out, meta.part_lse, meta.merge_counts
+        part_out, part_lse = meta.part_out, meta.part_lse
         if part_out.shape[1] != layer.num_heads or part_out.shape[3] != layer.head_dim:
             # A layer shaped unlike the context (never in the models we run): scratch of its own, eager only.
             splits = self.decode_splits(batch_size)
             part_out, part_lse = partial_buffers(batch_size, layer.num_heads, splits, layer.head_dim, q.device)
-            merge_counts = None
         out = q.new_empty((batch_size, layer.num_heads * layer.head_dim))
         decode_attention(
             q.view(batch_size, layer.num_heads, layer.head_dim),
@@ -251,18 +235,19 @@ class TritonAttention(AttentionBackend):
             layer.scaling,
             layer.sliding_window,
             **self._decode_launch,
-            merge_counts=merge_counts,
         )
         return out
 
     # --- graph hooks ---
     def init_graph_state(self, max_batch_size: int) -> None:
         ctx = self.context
+        part_out, part_lse = partial_buffers(max_batch_size, ctx.num_heads, self.num_splits, ctx.head_dim, ctx.device)
         self._graph = _GraphBuffers(
             # Row 0 with one key until a replay fills them: a capture run reads valid, finite data.
             req_rows=torch.zeros(max_batch_size, dtype=torch.int64, device=ctx.device),
             seq_lens=torch.ones(max_batch_size, dtype=torch.int32, device=ctx.device),
-            scratch=self._new_scratch(max_batch_size),
+            part_out=part_out,
+            part_lse=part_lse,
         )
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:

@@ -3,9 +3,7 @@
 Stage 1 runs one program per (request, KV head, split). It walks its split of the request's positions through the
 request-to-token table, gathers K/V rows of its KV head once and scores every query head of that head's GQA group
 against them (the group padded to >= 16 rows so `tl.dot` applies), with an online softmax in float32. It writes the
-split's normalised partial output and its log-sum-exp. Stage 2 merges the splits of each (request, head): a
-launch of its own, or (given zeroed counters) the last split of each (request, KV head) to finish, which knows it
-is last from an atomic count; that saves a launch per layer where launches are what a small batch waits on.
+split's normalised partial output and its log-sum-exp. Stage 2 merges the splits of each (request, head).
 
 The number of splits is fixed by the caller's partial buffers, not by the sequence lengths, so one launch serves
 every batch of a captured graph; splits that are empty for a short sequence (or below the sliding window) record a
@@ -62,70 +60,6 @@ def online_softmax_block(q, k, v, mask, acc, l_i, m_i, scale_log2, Q_TY: tl.cons
 
 
 @triton.jit
-def _merge_if_last(
-    merge_counts,
-    num_kv_heads,
-    part_out,
-    part_lse,
-    Out,
-    b,
-    kv_head,
-    heads,
-    mask_h,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """After a split's partials are written: the last of its (request, KV head)'s splits to get here merges them
-    all into Out and resets the counter for the next launch (the merge stage without a launch of its own)."""
-    tl.debug_barrier()  # every thread's partial stores precede the release below (the CTA-then-fence pattern)
-    count_ptr = merge_counts + b * num_kv_heads + kv_head
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == NUM_SPLITS - 1:
-        tl.debug_barrier()
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
-        offs_s = tl.arange(0, BLOCK_S)
-        lse_rows = part_lse + b * stride_lb + heads * stride_lh
-        # .cg: other SMs wrote the partials, and this SM's L1 may hold the previous layer's.
-        lse = tl.load(
-            lse_rows[:, None] + offs_s[None, :],
-            mask=mask_h[:, None] & (offs_s < NUM_SPLITS)[None, :],
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        lse_max = tl.max(lse, 1)
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # only the padding heads of the group
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        total = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for split in range(NUM_SPLITS):
-            lse_s = tl.load(lse_rows + split, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
-            valid = lse_s > float("-inf")
-            weight = tl.where(valid, tl.exp2(lse_s - lse_max), 0.0)
-            part = tl.load(
-                part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
-                mask=valid[:, None] & mask_d[None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            acc += weight[:, None] * part
-            total += weight
-        total = tl.where(total > 0, total, 1.0)  # padding heads: nothing to divide, nothing stored
-        out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptrs, (acc / total[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(count_ptr, 0)
-
-
-@triton.jit
 def _decode_split_kernel(
     Q,
     K_cache,
@@ -136,7 +70,6 @@ def _decode_split_kernel(
     part_out,
     part_lse,
     Out,
-    merge_counts,
     scale_log2,
     window,
     stride_qb,
@@ -162,8 +95,6 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_TY: tl.constexpr,
     USE_PDL: tl.constexpr,
-    MERGE_HERE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)  # before any access: even an empty split writes its lse
     b = tl.program_id(0)
@@ -187,12 +118,6 @@ def _decode_split_kernel(
     if lo >= hi:
         # An empty split (short sequence, or wholly below the window): lse = -inf, which the merge skips.
         tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
-        if MERGE_HERE:  # it counts among the splits all the same
-            _merge_if_last(
-                merge_counts, tl.num_programs(1), part_out, part_lse, Out, b, kv_head, heads, mask_h, stride_pb,
-                stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS,
-                BLOCK_H, BLOCK_S,
-            )  # fmt: skip
         return
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -227,12 +152,6 @@ def _decode_split_kernel(
         out_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         tl.store(out_ptrs, acc / l_i[:, None], mask=mask_out)
         tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=mask_h)
-        if MERGE_HERE:
-            _merge_if_last(
-                merge_counts, tl.num_programs(1), part_out, part_lse, Out, b, kv_head, heads, mask_h, stride_pb,
-                stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS,
-                BLOCK_H, BLOCK_S,
-            )  # fmt: skip
 
 
 @triton.jit
@@ -291,7 +210,6 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     pdl: bool = False,
-    merge_counts: torch.Tensor | None = None,
 ) -> None:
     """Decode attention of `q` over each request's cached keys, written into `out`.
 
@@ -300,8 +218,6 @@ def decode_attention(
     int32 [>= batch], keys per request including the query's own. part_out: float32 [>= batch, heads, splits,
     head_dim] and part_lse: float32 [>= batch, heads, splits] are scratch (views with strides are fine); their split
     count is the split count. pdl: both stages launched with programmatic dependent launch (`kernels.triton.pdl`).
-    merge_counts: int32 [>= batch, kv_heads], all zeros (`merge_counters`; each launch leaves them so): the last
-    split of each (request, KV head) merges the splits itself, in place of the merge kernel's launch.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -312,13 +228,8 @@ def decode_attention(
         )
     if part_out.shape[0] < batch or part_out.shape[1] != num_heads or part_out.shape[3] != head_dim:
         raise ValueError(f"decode_attention: part_out {tuple(part_out.shape)} does not fit q {tuple(q.shape)}")
-    if merge_counts is not None and (
-        merge_counts.shape[0] < batch or merge_counts.shape[1] != num_kv_heads or merge_counts.dtype != torch.int32
-    ):
-        raise ValueError(f"decode_attention: merge_counts {tuple(merge_counts.shape)} do not fit the batch")
     if batch == 0:
         return
-    merge_here = merge_counts is not None and num_splits > 1
     group = num_heads // num_kv_heads
     block_d = head_block(head_dim)
     if q.element_size() == 4:
@@ -335,7 +246,6 @@ def decode_attention(
         part_out,
         part_lse,
         out,
-        merge_counts if merge_here else part_lse,
         scaling * LOG2E,
         sliding_window if use_window else 0,
         q.stride(0),
@@ -361,13 +271,11 @@ def decode_attention(
         USE_WINDOW=use_window,
         DOT_TY=dot_dtype(q.dtype),
         USE_PDL=pdl,
-        MERGE_HERE=merge_here,
-        BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(pdl),
     )
-    if num_splits == 1 or merge_here:
+    if num_splits == 1:
         return  # the split stage wrote the output
     _decode_merge_kernel[(batch, num_heads)](
         part_out,
@@ -397,8 +305,3 @@ def partial_buffers(
     part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
     return part_out, part_lse
-
-
-def merge_counters(batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """The zeroed counters `decode_attention(merge_counts=...)` needs (they are zero again after each launch)."""
-    return torch.zeros((batch, num_kv_heads), dtype=torch.int32, device=device)

@@ -155,9 +155,7 @@ def test_cuda_builds_triton_attention_with_its_tuned_decode_launch(fake_gpu, mon
     backend = cuda.attention_backend_factories()["triton"](types.SimpleNamespace())
     assert isinstance(backend, TritonAttention) and backend.name == "triton"
     assert backend._decode_launch["num_stages"] == 3  # the portable default is 2
-    assert backend.fuse_merge  # the portable default keeps the merge kernel
-    portable = TritonAttention(types.SimpleNamespace())
-    assert portable._decode_launch["num_stages"] == 2 and not portable.fuse_merge
+    assert TritonAttention(types.SimpleNamespace())._decode_launch["num_stages"] == 2
 
 
 @pytest.mark.parametrize(

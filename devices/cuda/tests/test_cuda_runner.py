@@ -35,7 +35,8 @@ def test_defaults_are_the_fast_parts(cuda, tiny_bf16):
     runner = make_runner(cuda, tiny_bf16, dtype="auto")
     assert runner.attention.name == "triton"
     assert type(runner.graph_runner).__name__ == "DecodeGraphRunner" and runner.graph_runner.graphs
-    assert runner.model.model.norm.ops.rms_norm.__module__ == "omnirun.kernels.triton.ops"
+    rms_norm = runner.model.model.norm.ops.rms_norm  # launched with PDL on Hopper: a partial of the kernel's op
+    assert getattr(rms_norm, "func", rms_norm).__module__ == "omnirun.kernels.triton.ops"
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
