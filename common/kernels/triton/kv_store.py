@@ -22,10 +22,11 @@ import triton.language as tl
 
 from omnirun.kernels.triton.ops import (
     BIT_EXACT_LAUNCH,
-    rope_cos_sin,
     rope_kernel_takes,
     rope_launch,
-    rotate_halves,
+    rope_program,
+    rotate_heads_in_place,
+    rotated_heads,
     round_to,
 )
 from omnirun.kernels.triton.pdl import launch_options, wait_for_previous_kernel
@@ -216,44 +217,20 @@ def _rotate_and_store_kv_kernel(
     """Program (token, chunk of heads): rotates the chunk's q heads in place, and writes its k heads rotated and
     its v heads as they are to row `slots[token]` of the caches, cast."""
     wait_for_previous_kernel(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    first_head = tl.program_id(1) * BLOCK_HEADS
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    d_mask = d < HALF
-    dtype = q_ptr.dtype.element_ty
-    cos, sin = rope_cos_sin(cos_sin_ptr + position * cos_sin_stride, d, d_mask, HALF, dtype)
-
-    head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
-    q_mask = (head < q_heads) & d_mask
-    q_first = q_ptr + token * q_stride + head * (2 * HALF) + d
-    q1, q2 = rotate_halves(
-        tl.load(q_first, mask=q_mask, other=0.0).to(tl.float32),
-        tl.load(q_first + HALF, mask=q_mask, other=0.0).to(tl.float32),
-        cos,
-        sin,
-        dtype,
+    token, first_head, d, d_mask, cos, sin = rope_program(
+        positions_ptr, cos_sin_ptr, cos_sin_stride, q_ptr.dtype.element_ty, HALF, BLOCK_HALF, BLOCK_HEADS
     )
-    tl.store(q_first, q1, mask=q_mask)
-    tl.store(q_first + HALF, q2, mask=q_mask)
-
-    kv_mask = (head < kv_heads) & d_mask
-    in_row = head * (2 * HALF) + d
+    rotate_heads_in_place(q_ptr + token * q_stride, q_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
+    k1, k2, in_row, mask = rotated_heads(
+        k_ptr + token * k_stride, kv_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS
+    )
     dst = tl.load(slots_ptr + token).to(tl.int64) * (kv_heads * 2 * HALF) + in_row
     out_ty = k_cache_ptr.dtype.element_ty
-    k_first = k_ptr + token * k_stride + in_row
-    k1, k2 = rotate_halves(
-        tl.load(k_first, mask=kv_mask, other=0.0).to(tl.float32),
-        tl.load(k_first + HALF, mask=kv_mask, other=0.0).to(tl.float32),
-        cos,
-        sin,
-        dtype,
-    )
-    tl.store(k_cache_ptr + dst, _cast(k1, out_ty, KIND), mask=kv_mask)
-    tl.store(k_cache_ptr + dst + HALF, _cast(k2, out_ty, KIND), mask=kv_mask)
-    v_first = v_ptr + token * v_stride + in_row
-    tl.store(v_cache_ptr + dst, _cast(tl.load(v_first, mask=kv_mask), out_ty, KIND), mask=kv_mask)
-    tl.store(v_cache_ptr + dst + HALF, _cast(tl.load(v_first + HALF, mask=kv_mask), out_ty, KIND), mask=kv_mask)
+    tl.store(k_cache_ptr + dst, _cast(k1, out_ty, KIND), mask=mask)
+    tl.store(k_cache_ptr + dst + HALF, _cast(k2, out_ty, KIND), mask=mask)
+    v_row = v_ptr + token * v_stride + in_row
+    tl.store(v_cache_ptr + dst, _cast(tl.load(v_row, mask=mask), out_ty, KIND), mask=mask)
+    tl.store(v_cache_ptr + dst + HALF, _cast(tl.load(v_row + HALF, mask=mask), out_ty, KIND), mask=mask)
 
 
 def fuses_rotary(

@@ -257,34 +257,50 @@ def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
 
 
 @triton.jit
-def rope_cos_sin(row_ptr, d, d_mask, HALF: tl.constexpr, dtype: tl.constexpr):
-    """cos and sin of one position ([1, BLOCK_HALF] float32) from its row of the float32 cos|sin table, rounded to
-    the activation dtype first as the reference casts the table before rotating."""
+def rope_program(
+    positions_ptr,
+    cos_sin_ptr,
+    cos_sin_stride,
+    dtype: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
+    """What a rotary program of grid (token, chunk of heads) works with: (token, first head, half-dim lanes d and
+    their mask, cos, sin). cos and sin ([1, BLOCK_HALF] float32) come from the token's row of the float32 cos|sin
+    table, rounded to the activation dtype first, as the reference casts the table before rotating."""
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = d < HALF
+    row_ptr = cos_sin_ptr + position * cos_sin_stride
     cos = round_to(tl.load(row_ptr + d, mask=d_mask, other=0.0), dtype).to(tl.float32)
     sin = round_to(tl.load(row_ptr + HALF + d, mask=d_mask, other=0.0), dtype).to(tl.float32)
-    return cos, sin
+    return token, tl.program_id(1) * BLOCK_HEADS, d, d_mask, cos, sin
 
 
 @triton.jit
-def rotate_halves(x1, x2, cos, sin, dtype: tl.constexpr):
-    """NeoX rotation of a head's halves (float32 in): x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2 | x1],
-    each product rounded to `dtype`, then the sum, as the reference rounds."""
+def rotated_heads(row_ptr, heads, first_head, cos, sin, d, d_mask, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+    """Heads [first_head, first_head + BLOCK_HEADS) of one token's row (masked past `heads`), NeoX-rotated:
+    x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2 | x1], each product rounded to the row's dtype, then the
+    sum, as the reference rounds. Returns (first halves, second halves, their offsets in the row, mask)."""
+    dtype = row_ptr.dtype.element_ty
+    offsets = (first_head + tl.arange(0, BLOCK_HEADS)[:, None]) * (2 * HALF) + d
+    mask = (first_head + tl.arange(0, BLOCK_HEADS)[:, None] < heads) & d_mask
+    x1 = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
     out1 = round_to(round_to(x1 * cos, dtype).to(tl.float32) - round_to(x2 * sin, dtype).to(tl.float32), dtype)
     out2 = round_to(round_to(x2 * cos, dtype).to(tl.float32) + round_to(x1 * sin, dtype).to(tl.float32), dtype)
-    return out1, out2
+    return out1, out2, offsets, mask
 
 
 @triton.jit
-def _rotate_heads(row_ptr, heads, first_head, cos, sin, d, d_mask, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
-    """Rotate heads [first_head, first_head + BLOCK_HEADS) of one token's row in place."""
-    head = first_head + tl.arange(0, BLOCK_HEADS)[:, None]
-    mask = (head < heads) & d_mask
-    first_ptr = row_ptr + head * (2 * HALF) + d
-    x1 = tl.load(first_ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1, out2 = rotate_halves(x1, x2, cos, sin, row_ptr.dtype.element_ty)
-    tl.store(first_ptr, out1, mask=mask)
-    tl.store(first_ptr + HALF, out2, mask=mask)
+def rotate_heads_in_place(
+    row_ptr, heads, first_head, cos, sin, d, d_mask, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr
+):
+    out1, out2, offsets, mask = rotated_heads(row_ptr, heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
+    tl.store(row_ptr + offsets, out1, mask=mask)
+    tl.store(row_ptr + offsets + HALF, out2, mask=mask)
 
 
 @triton.jit
@@ -305,14 +321,11 @@ def _rotary_kernel(
 ):
     # One program per (token, chunk of heads): the chunk's q heads and its k heads (masked past their counts).
     wait_for_previous_kernel(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    first_head = tl.program_id(1) * BLOCK_HEADS
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    d_mask = d < HALF
-    cos, sin = rope_cos_sin(cache_ptr + position * cache_stride, d, d_mask, HALF, q_ptr.dtype.element_ty)
-    _rotate_heads(q_ptr + token * q_stride, q_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
-    _rotate_heads(k_ptr + token * k_stride, k_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
+    token, first_head, d, d_mask, cos, sin = rope_program(
+        positions_ptr, cache_ptr, cache_stride, q_ptr.dtype.element_ty, HALF, BLOCK_HALF, BLOCK_HEADS
+    )
+    rotate_heads_in_place(q_ptr + token * q_stride, q_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
+    rotate_heads_in_place(k_ptr + token * k_stride, k_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
 
 
 def rope_launch(head_dim: int, heads: int) -> tuple[int, int, int, int]:
