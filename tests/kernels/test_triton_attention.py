@@ -311,17 +311,25 @@ def test_rotary_fused_into_the_store_equals_rotating_first(case, mode):
 
 
 def test_rotary_the_store_cannot_take_is_applied_first():
-    """A cache the fused kernel does not take (fnuz fp8 here, or any other refusal) gets `apply`, then the store."""
-    fnuz = getattr(torch, "float8_e4m3fnuz", None)
-    if fnuz is None:
-        pytest.skip("torch lacks float8_e4m3fnuz")
-    case = Case(1, 64, 4, 2, None, torch.bfloat16, fnuz)
-    kv, context, layer = make_setup(case, seed=8)
-    rows = fill_prefixes(kv, [3])
-    batch = build_batch(kv, rows, [3], [[1]], DEVICE)
-    q, k, v = qkv(case, batch.num_tokens)
-    calls: list = []
-    backend = triton_backend(context, case)
-    backend.init_forward_metadata(batch)
-    backend.forward(q, k, v, layer, batch, _rotary(case, batch.positions, calls))
-    assert calls == [1]
+    """Inputs the fused kernel refuses (positions that are not contiguous here; `fuses_rotary` lists the rest) get
+    `apply`, then the plain store: the same output as rotating first."""
+    case = Case(1, 64, 4, 2, None, torch.bfloat16, torch.bfloat16)
+    outs = []
+    for handed_over in (False, True):
+        kv, context, layer = make_setup(case, seed=8)
+        rows = fill_prefixes(kv, [3, 20])
+        batch = build_batch(kv, rows, [3, 20], [[1], [1]], DEVICE)
+        torch.manual_seed(9)
+        q, k, v = qkv(case, batch.num_tokens)
+        calls: list = []
+        strided = torch.stack([batch.positions, batch.positions], 1)[:, 0]
+        assert not strided.is_contiguous()
+        rotary = _rotary(case, strided, calls)
+        backend = triton_backend(context, case)
+        backend.init_forward_metadata(batch)
+        if handed_over:
+            outs.append(backend.forward(q, k, v, layer, batch, rotary))
+            assert calls == [1]
+        else:
+            outs.append(backend.forward(*rotary.apply(q, k), v, layer, batch))
+    assert torch.equal(outs[0], outs[1])
