@@ -137,7 +137,7 @@ class ModelRunner:
             self.graph_runner = None if config.disable_graph else self.platform.make_graph_runner(self)
             self.kv = self._init_kv_memory()
             self.attention = self._init_attention()
-            self.sampler = Sampler()
+            self.sampler = Sampler(self.ops.argmax)
             if self.graph_runner is not None:
                 self.graph_runner.capture(progress=config.progress)
         except BaseException:
@@ -166,7 +166,7 @@ class ModelRunner:
         return TensorParallel(dist.get_rank(), world, self.platform.make_communicator(None))
 
     def _load_model(self) -> DecoderForCausalLM:
-        ops = resolve_ops(self.platform.fused_ops())
+        self.ops = ops = resolve_ops(self.platform.fused_ops())
         with torch.device(self.device):
             model = DecoderForCausalLM(
                 self.shape,
@@ -462,7 +462,7 @@ class ModelRunner:
             self.platform.synchronize()
         finally:
             # Graphs first: their pool holds activations that point into the KV pool and the weights.
-            for name in ("graph_runner", "attention", "kv", "model", "sampler"):
+            for name in ("graph_runner", "attention", "kv", "model", "sampler", "ops"):
                 if hasattr(self, name):
                     setattr(self, name, None)
             gc.collect()  # the runner, its graph runner and backends refer to each other

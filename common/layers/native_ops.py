@@ -43,6 +43,39 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any = None
+) -> torch.Tensor:
+    """linear(silu_and_mul(x)): the MLP's activation and down projection, which a platform may fuse into one pass."""
+    return linear(silu_and_mul(x), weight, bias, prepared)
+
+
+# argmax of fewer rows than this reduces the vocabulary in chunks of this many tokens.
+_TWO_STAGE_MAX_ROWS = 32
+_VOCAB_CHUNK = 4096
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy sampling's pick: each row's first index of its maximum (as HF generate picks), int64 [rows]. max()
+    gives the same index and is several times faster than argmax() on bf16 CPU tensors.
+
+    A few rows over a large vocabulary are reduced in two stages (the maximum of each chunk, then of the chunks'
+    maxima): one row reduced whole runs on a single block of a GPU (40 us for 128k tokens on an H200), its chunks
+    on many. Taking the first chunk that holds the maximum keeps the first of equal maxima.
+    """
+    rows, vocab = logits.shape
+    if rows >= _TWO_STAGE_MAX_ROWS or vocab < 2 * _VOCAB_CHUNK:
+        return logits.max(dim=-1).indices
+    whole = vocab - vocab % _VOCAB_CHUNK
+    values, indices = logits[:, :whole].unflatten(1, (-1, _VOCAB_CHUNK)).max(dim=-1)
+    indices = indices + torch.arange(0, whole, _VOCAB_CHUNK, device=logits.device)
+    if whole < vocab:  # the last, partial chunk goes last, so that ties still resolve to the first index
+        tail = logits[:, whole:].max(dim=-1)
+        values = torch.cat([values, tail.values[:, None]], dim=1)
+        indices = torch.cat([indices, tail.indices[:, None] + whole], dim=1)
+    return indices.gather(1, values.max(dim=-1).indices[:, None]).squeeze(1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)

@@ -7,22 +7,20 @@ renormalisation after filtering and runs as one vectorised op over the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from omnirun.errors import SamplingParamsError
 from omnirun.host_to_device import to_device
+from omnirun.layers import native_ops
 from omnirun.sampling.adjust import LogitAdjustments, TokenHistory
 from omnirun.sampling.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 # exponential_ can return exactly 0; clamping keeps 0 / q == 0 for filtered tokens instead of NaN (argmax picks NaN).
 _Q_MIN = torch.finfo(torch.float32).tiny
-# Greedy sampling of fewer rows than this reduces the vocabulary in chunks of this many tokens (see Sampler.greedy).
-_TWO_STAGE_MAX_ROWS = 32
-_VOCAB_CHUNK = 4096
 
 
 def generator_seed(seed: int, token_index: int) -> int:
@@ -126,26 +124,9 @@ class SampleOutput:
 class Sampler:
     """Samples one token per row of a [B, V] logits tensor according to a SamplingBatch."""
 
-    @staticmethod
-    def greedy(logits: torch.Tensor) -> torch.Tensor:
-        """Exactly argmax of the raw logits (the first of equal maxima, as HF generate picks). max() gives the same
-        index and is several times faster than argmax() on bf16 CPU tensors.
-
-        A few rows over a large vocabulary are reduced in two stages (the maximum of each chunk, then of the
-        chunks' maxima): one row reduced whole runs on a single block of a GPU (40 us for 128k tokens on an H200),
-        its chunks on many. Taking the first chunk that holds the maximum keeps the first of equal maxima.
-        """
-        rows, vocab = logits.shape
-        if rows >= _TWO_STAGE_MAX_ROWS or vocab < 2 * _VOCAB_CHUNK:
-            return logits.max(dim=-1).indices
-        whole = vocab - vocab % _VOCAB_CHUNK
-        values, indices = logits[:, :whole].unflatten(1, (-1, _VOCAB_CHUNK)).max(dim=-1)
-        indices = indices + torch.arange(0, whole, _VOCAB_CHUNK, device=logits.device)
-        if whole < vocab:  # the last, partial chunk goes last, so that ties still resolve to the first index
-            tail = logits[:, whole:].max(dim=-1)
-            values = torch.cat([values, tail.values[:, None]], dim=1)
-            indices = torch.cat([indices, tail.indices[:, None] + whole], dim=1)
-        return indices.gather(1, values.max(dim=-1).indices[:, None]).squeeze(1)
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = native_ops.argmax):
+        # Greedy picks: the op table's argmax (a platform's one-launch kernel, else the torch reference).
+        self.greedy = argmax
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Tokens from the logits after the batch's adjustments; logprobs stay those of the raw logits."""

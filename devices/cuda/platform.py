@@ -108,16 +108,18 @@ class CudaPlatform(Platform):
         return tuple(torch.cuda.get_device_capability(self.current_device())) >= PDL_MIN_SM
 
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
-        # The Triton GEMV for one-row matmuls is cuda's own, not a portable kernel: it beat cuBLAS only where it
-        # was measured (an H200, bench/results_h200_gemv.json) and is untried on ROCm and XPU. With PDL the
-        # portable kernels are replaced by the same ones launched with it.
+        # The Triton GEMV for one-row matmuls (also with the MLP's activation fused in) and the one-launch argmax
+        # are cuda's own, not portable kernels: measured on an H200 only, untried on ROCm and XPU (the argmax leans
+        # on int64 atomics). With PDL the portable kernels are replaced by the same ones launched with it.
         if not offers_triton(self.capabilities):
             return {}
-        from omnirun.kernels.triton.gemv import skinny_linear_ops  # imports triton
+        from omnirun.kernels.triton.argmax import TritonArgmax  # imports triton
+        from omnirun.kernels.triton.gemv import skinny_linear_ops
         from omnirun.kernels.triton.ops import triton_fused_ops
 
         pdl = self.uses_pdl()
-        return {**(triton_fused_ops(pdl=True) if pdl else {}), **skinny_linear_ops(pdl=pdl)}
+        own = {**skinny_linear_ops(pdl=pdl), "argmax": TritonArgmax(pdl=pdl)}
+        return {**(triton_fused_ops(pdl=True) if pdl else {}), **own}
 
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()

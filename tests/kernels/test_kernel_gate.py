@@ -1,5 +1,5 @@
 """One rule offers the Triton kernels: capabilities that say triton get triton attention and the triton fused ops
-alike, on every platform, in-tree or plugin; the GEMV stays cuda's own."""
+alike, on every platform, in-tree or plugin; the GEMV and the argmax stay cuda's own."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the gate hands out its kernels")
 
 from omnirun.kernels.triton import gemv  # noqa: E402
+from omnirun.kernels.triton.argmax import TritonArgmax  # noqa: E402
 from omnirun.platform import Capabilities, Platform, ProbeResult  # noqa: E402
 from omnirun.registry import default_registry  # noqa: E402
 
@@ -46,8 +47,10 @@ def test_attention_and_fused_ops_follow_the_one_capability(name, supports_triton
 
 
 @pytest.mark.parametrize("name", ["cuda", "rocm", "xpu", "plugin"])
-def test_the_gemv_is_cudas_own(name):
+def test_the_gemv_and_the_argmax_are_cudas_own(name):
     ops = _platform(name, supports_triton=True).fused_ops()
-    linear = ops.get("linear")
-    assert (getattr(linear, "func", linear) is gemv.linear) is (name == "cuda")  # a partial where cuda uses PDL
-    assert "linear" not in _platform(name, supports_triton=False).fused_ops()
+    for op_name, kernel in (("linear", gemv.linear), ("silu_and_mul_linear", gemv.silu_and_mul_linear)):
+        op = ops.get(op_name)
+        assert (getattr(op, "func", op) is kernel) is (name == "cuda")  # a partial where cuda uses PDL
+        assert op_name not in _platform(name, supports_triton=False).fused_ops()
+    assert isinstance(ops.get("argmax"), TritonArgmax) is (name == "cuda")
