@@ -1,11 +1,9 @@
 """Skinny linear layers at Llama-3-8B shapes: cuBLAS (torch) against omnirun's Triton GEMV, timed in CUDA graphs.
 
-    python bench/gemv_sweep.py [--json out.json] [--gated]
+    python bench/gemv_sweep.py [--json out.json]
 
 Each timing cycles through enough copies of the weight to defeat the L2 cache (a decode step streams every layer's
-weight from HBM once), and reports microseconds per call and the weight bytes per second it reaches. `--gated`
-times the MLP's down projection of one row with its activation: the activation kernel then cuBLAS, against the
-gated GEMV (silu(gate) * up computed as it loads its input, exact or with fast float32 math) in every launch setting.
+weight from HBM once), and reports microseconds per call and the weight bytes per second it reaches.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import torch.nn.functional as F
 import triton.testing
 
 from omnirun.kernels.triton.gemv import gemv
-from omnirun.kernels.triton.ops import silu_and_mul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CONFIGS = [
@@ -36,43 +33,10 @@ def time_per_call(fn, weights, x) -> float:
     return triton.testing.do_bench_cudagraph(run, rep=50) * 1e3 / len(weights)  # us per call
 
 
-def gated_rows() -> list[dict]:
-    n, k = SHAPES["down"]
-    weights = [
-        torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / 64 for _ in range(max(4, (512 << 20) // (n * k * 2)))
-    ]
-    x = torch.randn(1, 2 * k, dtype=torch.bfloat16, device="cuda")
-    ref = F.linear(silu_and_mul(x), weights[0])
-    chained_us = time_per_call(lambda a, w: F.linear(silu_and_mul(a), w), weights, x)
-    print(f"down, one row: activation kernel + cuBLAS {chained_us:.2f} us", flush=True)
-    rows = [{"variant": "silu_and_mul + torch", "us": chained_us}]
-    for exact, bn, bk, w, st in itertools.product([True, False], [8, 16, 32, 64], [512, 1024], [4, 8], [3, 4]):
-        cfg = dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-        try:
-            err = (gemv(x, weights[0], gated=True, exact_silu=exact, **cfg).float() - ref.float()).abs().max().item()
-            us = time_per_call(lambda a, wt, c=cfg, e=exact: gemv(a, wt, gated=True, exact_silu=e, **c), weights, x)
-        except Exception as exc:  # a config that does not compile (registers, shared memory)
-            print(f"  exact={exact} {cfg}: {type(exc).__name__}")
-            continue
-        rows.append({"variant": "gated gemv", "exact_silu": exact, **cfg, "us": us, "max_abs_err": err})
-    for exact in (True, False):
-        best = sorted((r for r in rows[1:] if r["exact_silu"] is exact), key=lambda r: r["us"])[:3]
-        for r in best:
-            print(f"  gated gemv exact_silu={exact}: {r}", flush=True)
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
-    parser.add_argument("--gated", action="store_true", help="the down projection with its activation only")
     args = parser.parse_args()
-    if args.gated:
-        rows = gated_rows()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
-        return
     rows = []
     for name, (n, k) in SHAPES.items():
         copies = max(4, (512 << 20) // (n * k * 2))

@@ -57,26 +57,6 @@ def test_a_platform_offering_linear_without_its_prepare_is_told_why():
     )
 
 
-def test_silu_and_mul_linear_chains_the_platforms_own_ops_unless_it_fuses_them():
-    calls = []
-
-    def silu_and_mul(x):
-        calls.append("silu_and_mul")
-        return native_ops.silu_and_mul(x)
-
-    def linear(x, weight, bias, prepared=None):
-        calls.append(("linear", prepared))
-        return native_ops.linear(x, weight, bias)
-
-    ops = resolve_ops({"silu_and_mul": silu_and_mul, "linear": linear, "prepare_linear": lambda w: "packed"})
-    x, weight = torch.randn(2, 8), torch.randn(3, 4)
-    expected = native_ops.silu_and_mul_linear(x, weight, None)
-    assert torch.equal(ops.silu_and_mul_linear(x, weight, None, "packed"), expected)
-    assert calls == ["silu_and_mul", ("linear", "packed")]  # the packed linear keeps its prepared weight
-    fused = lambda *args: None  # noqa: E731
-    assert resolve_ops({"silu_and_mul": silu_and_mul, "silu_and_mul_linear": fused}).silu_and_mul_linear is fused
-
-
 @pytest.mark.parametrize(
     ("config", "theta"),
     [

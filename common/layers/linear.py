@@ -19,10 +19,7 @@ class Linear(nn.Module):
     one matmul computes what a checkpoint stores as several projections; `shard_view` addresses each.
 
     A size given as a `Slice` is this rank's block of a larger checkpoint tensor: out slices make the layer
-    column-parallel (its output is this rank's block, no communication); an in slice is for RowParallelLinear.
-
-    gated_input: the input is [gate | up], twice in_features wide, and the layer projects silu(gate) * up (the MLP's
-    down projection): the op table's silu_and_mul_linear, one kernel where the platform fuses the two."""
+    column-parallel (its output is this rank's block, no communication); an in slice is for RowParallelLinear."""
 
     def __init__(
         self,
@@ -32,11 +29,9 @@ class Linear(nn.Module):
         bias: bool,
         ops: Ops,
         dtype: torch.dtype,
-        gated_input: bool = False,
     ):
         super().__init__()
         self.ops = ops
-        self.gated_input = gated_input
         self.prepared = None  # the platform's form of the weight (see prepare)
         sizes = dict(out_features) if isinstance(out_features, Mapping) else {"": out_features}
         self.shard_offsets: dict[str, tuple[int, int]] = {}
@@ -55,11 +50,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(x, self.bias)
-
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        op = self.ops.silu_and_mul_linear if self.gated_input else self.ops.linear
-        return op(x, self.weight, bias, self.prepared)
+        return self.ops.linear(x, self.weight, self.bias, self.prepared)
 
     def prepare(self) -> None:
         """Let the platform re-lay the weight for its kernels; called after loading and after weight updates."""
@@ -83,8 +74,7 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         shards = ", ".join(f"{name}={size}" for name, (_, size) in self.shard_offsets.items() if name)
-        gated = ", gated_input=True" if self.gated_input else ""
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}{gated}" + (
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}" + (
             f", shards=({shards})" if shards else ""
         )
 
@@ -95,22 +85,15 @@ class RowParallelLinear(Linear):
     hold it once."""
 
     def __init__(
-        self,
-        in_features: Slice,
-        out_features: int,
-        *,
-        bias: bool,
-        ops: Ops,
-        dtype: torch.dtype,
-        tp: TensorParallel,
-        gated_input: bool = False,
+        self, in_features: Slice, out_features: int, *, bias: bool, ops: Ops, dtype: torch.dtype, tp: TensorParallel
     ):
-        super().__init__(in_features, out_features, bias=bias, ops=ops, dtype=dtype, gated_input=gated_input)
+        super().__init__(in_features, out_features, bias=bias, ops=ops, dtype=dtype)
         self.comm = tp.comm
         self.reduce = tp.size > 1
         self.add_bias = tp.is_first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.reduce:  # one rank: exactly the plain layer
-            return self.project(x, self.bias)
-        return self.comm.all_reduce(self.project(x, self.bias if self.add_bias else None))
+            return self.ops.linear(x, self.weight, self.bias, self.prepared)
+        out = self.ops.linear(x, self.weight, self.bias if self.add_bias else None, self.prepared)
+        return self.comm.all_reduce(out)

@@ -43,13 +43,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_and_mul_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any = None
-) -> torch.Tensor:
-    """linear(silu_and_mul(x)): the MLP's activation and down projection, which a platform may fuse into one pass."""
-    return linear(silu_and_mul(x), weight, bias, prepared)
-
-
 # argmax of fewer rows than this reduces the vocabulary in chunks of this many tokens.
 _TWO_STAGE_MAX_ROWS = 32
 _VOCAB_CHUNK = 4096

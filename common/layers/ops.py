@@ -17,8 +17,6 @@ class Ops:
     rms_norm: Callable[..., Any] = native_ops.rms_norm
     add_rms_norm: Callable[..., Any] = native_ops.add_rms_norm
     silu_and_mul: Callable[..., Any] = native_ops.silu_and_mul
-    # linear(silu_and_mul(x)) in one: a platform's fused kernel, else the table's own two ops one after the other.
-    silu_and_mul_linear: Callable[..., Any] = native_ops.silu_and_mul_linear
     rotary_embedding: Callable[..., Any] = native_ops.rotary_embedding
     argmax: Callable[..., Any] = native_ops.argmax  # greedy sampling's pick (the sampler's, not a layer's)
 
@@ -33,15 +31,4 @@ def resolve_ops(fused: Mapping[str, Callable[..., Any]]) -> Ops:
         raise ValueError(f"platform offers fused ops omnirun does not know: {unknown}; known: {list(OP_NAMES)}")
     if ("linear" in fused) != ("prepare_linear" in fused):
         raise ValueError("a platform offering `linear` must offer `prepare_linear` too (they agree on a format)")
-    ops = Ops(**dict(fused))
-    if "silu_and_mul_linear" not in fused and {"silu_and_mul", "linear"} & set(fused):
-        # The platform's own silu_and_mul and linear (packed weights, say) chained, not the references.
-        ops = dataclasses.replace(ops, silu_and_mul_linear=_chained(ops.silu_and_mul, ops.linear))
-    return ops
-
-
-def _chained(silu_and_mul: Callable[..., Any], linear: Callable[..., Any]) -> Callable[..., Any]:
-    def silu_and_mul_linear(x: Any, weight: Any, bias: Any, prepared: Any = None) -> Any:
-        return linear(silu_and_mul(x), weight, bias, prepared)
-
-    return silu_and_mul_linear
+    return Ops(**dict(fused))

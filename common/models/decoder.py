@@ -17,6 +17,7 @@ from torch import nn
 from omnirun.attention.backend import AttentionBackend, AttentionLayerSpec, Rotary
 from omnirun.batch import ForwardBatch
 from omnirun.distributed.tensor_parallel import TensorParallel
+from omnirun.layers.activation import SiluAndMul
 from omnirun.layers.attention import PagedAttention
 from omnirun.layers.embedding import LMHead, VocabEmbedding
 from omnirun.layers.linear import Linear, RowParallelLinear
@@ -81,13 +82,11 @@ class MLP(nn.Module):
         columns = Slice(shape.intermediate_size, layout.tp_rank * size, size)
         gate_up = {"gate": columns, "up": columns}
         self.gate_up_proj = Linear(shape.hidden_size, gate_up, bias=shape.mlp_bias, ops=ops, dtype=dtype)
-        # silu(gate) * up goes into the down projection: one kernel where the platform fuses the two.
-        self.down_proj = RowParallelLinear(
-            columns, shape.hidden_size, bias=shape.mlp_bias, ops=ops, dtype=dtype, tp=tp, gated_input=True
-        )
+        self.down_proj = RowParallelLinear(columns, shape.hidden_size, bias=shape.mlp_bias, ops=ops, dtype=dtype, tp=tp)
+        self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -108,9 +108,9 @@ class CudaPlatform(Platform):
         return tuple(torch.cuda.get_device_capability(self.current_device())) >= PDL_MIN_SM
 
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
-        # The Triton GEMV for one-row matmuls (also with the MLP's activation fused in) and the one-launch argmax
-        # are cuda's own, not portable kernels: measured on an H200 only, untried on ROCm and XPU (the argmax leans
-        # on int64 atomics). With PDL the portable kernels are replaced by the same ones launched with it.
+        # The Triton GEMV for one-row matmuls and the one-launch argmax are cuda's own, not portable kernels:
+        # measured on an H200 only, untried on ROCm and XPU (the argmax leans on int64 atomics). With PDL the
+        # portable kernels are replaced by the same ones launched with it.
         if not offers_triton(self.capabilities):
             return {}
         from omnirun.kernels.triton.argmax import TritonArgmax  # imports triton

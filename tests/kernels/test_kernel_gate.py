@@ -49,8 +49,7 @@ def test_attention_and_fused_ops_follow_the_one_capability(name, supports_triton
 @pytest.mark.parametrize("name", ["cuda", "rocm", "xpu", "plugin"])
 def test_the_gemv_and_the_argmax_are_cudas_own(name):
     ops = _platform(name, supports_triton=True).fused_ops()
-    for op_name, kernel in (("linear", gemv.linear), ("silu_and_mul_linear", gemv.silu_and_mul_linear)):
-        op = ops.get(op_name)
-        assert (getattr(op, "func", op) is kernel) is (name == "cuda")  # a partial where cuda uses PDL
-        assert op_name not in _platform(name, supports_triton=False).fused_ops()
+    linear = ops.get("linear")
+    assert (getattr(linear, "func", linear) is gemv.linear) is (name == "cuda")  # a partial where cuda uses PDL
+    assert "linear" not in _platform(name, supports_triton=False).fused_ops()
     assert isinstance(ops.get("argmax"), TritonArgmax) is (name == "cuda")

@@ -9,9 +9,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed: the GEMV needs it")
 
-from omnirun.kernels.triton.gemv import GEMV_MAX_WEIGHT_ELEMENTS, gemv, linear, silu_and_mul_linear  # noqa: E402
-from omnirun.kernels.triton.ops import silu_and_mul  # noqa: E402
-from omnirun.layers import native_ops  # noqa: E402
+from omnirun.kernels.triton.gemv import GEMV_MAX_WEIGHT_ELEMENTS, gemv, linear  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
@@ -32,50 +30,6 @@ def test_gemv_equals_a_float32_matmul_rounded_once(dtype, m, n, k, with_bias):
     torch.testing.assert_close(out.float(), reference, rtol=2e-3 if dtype == torch.float16 else 8e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("m", "n", "k", "block_k"), [(1, 100, 300, 128), (1, 64, 2048, 1024), (3, 33, 520, 128)])
-def test_gated_gemv_equals_the_gemv_of_the_activation(dtype, m, n, k, block_k):
-    """silu(gate) * up computed as each block is loaded is the activation kernel's, bit for bit: the same sums
-    follow (the masked tail of the last block included)."""
-    gen = torch.Generator().manual_seed(n + k)
-    x = (4 * torch.randn(m, 2 * k, generator=gen)).to(dtype).to(DEVICE)
-    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
-    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    activated = silu_and_mul(x)
-    assert torch.equal(activated, native_ops.silu_and_mul(x))
-    for bias in (None, b):
-        expected = gemv(activated, w, bias, block_n=8, block_k=block_k)
-        assert torch.equal(gemv(x, w, bias, gated=True, block_n=8, block_k=block_k), expected)
-    with pytest.raises(ValueError, match="does not fit"):
-        gemv(activated, w, gated=True)
-
-
-def test_gated_gemv_with_fast_silu_stays_within_rounding_of_the_exact_one():
-    gen = torch.Generator().manual_seed(3)
-    x = (4 * torch.randn(1, 2 * 2048, generator=gen)).to(torch.bfloat16).to(DEVICE)
-    w = torch.randn(96, 2048, generator=gen).to(torch.bfloat16).to(DEVICE) / 32
-    exact = gemv(x, w, gated=True, block_n=8, block_k=1024)
-    fast = gemv(x, w, gated=True, exact_silu=False, block_n=8, block_k=1024)
-    torch.testing.assert_close(fast.float(), exact.float(), rtol=1e-2, atol=1e-2)
-    reference = native_ops.silu_and_mul(x).float() @ w.float().T
-    torch.testing.assert_close(fast.float(), reference, rtol=1e-2, atol=1e-2)
-
-
-def test_silu_and_mul_linear_fuses_one_row_of_any_weight_and_chains_otherwise(monkeypatch):
-    import omnirun.kernels.triton.gemv as module
-
-    calls = []
-    monkeypatch.setattr(module, "gemv", lambda *a, **kw: calls.append((a[0].shape, kw["gated"])) or None)
-    w = torch.randn(64, 128, dtype=torch.bfloat16, device=DEVICE)
-    x = torch.randn(4, 256, dtype=torch.bfloat16, device=DEVICE)
-    silu_and_mul_linear(x[:1], w, None)
-    assert calls == [((1, 256), True)]  # whatever the size: the weight-size rule is linear's
-    calls.clear()
-    expected = native_ops.silu_and_mul_linear(x, w, None)
-    assert torch.equal(silu_and_mul_linear(x, w, None), expected)  # rows > 1: activation kernel, then torch
-    assert calls == []
-
-
 def test_linear_takes_the_gemv_for_one_row_and_torch_otherwise(monkeypatch):
     import omnirun.kernels.triton.gemv as module
 
@@ -94,10 +48,3 @@ def test_gemv_at_a_real_shape_with_the_tuned_launch(compiled_triton_platform):
     x = torch.randn(1, 4096, dtype=torch.bfloat16, device=DEVICE)
     w = torch.randn(6144, 4096, dtype=torch.bfloat16, device=DEVICE) / 64
     torch.testing.assert_close(linear(x, w, None).float(), x.float() @ w.float().T, rtol=8e-3, atol=2e-3)
-
-
-def test_gated_gemv_at_an_8b_down_projection(compiled_triton_platform):
-    x = torch.randn(1, 2 * 14336, dtype=torch.bfloat16, device=DEVICE)
-    w = torch.randn(4096, 14336, dtype=torch.bfloat16, device=DEVICE) / 128
-    reference = native_ops.silu_and_mul(x).float() @ w.float().T
-    torch.testing.assert_close(silu_and_mul_linear(x, w, None).float(), reference, rtol=8e-3, atol=2e-3)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from omnirun.kernels.triton.ops import round_to, silu_and_mul, silu_times
 from omnirun.kernels.triton.pdl import launch_options, wait_for_previous_kernel
 from omnirun.layers import native_ops
 
@@ -26,27 +25,6 @@ from omnirun.layers import native_ops
 GEMV_MAX_WEIGHT_ELEMENTS = 32 << 20
 # The best launch of that sweep for one row, on every shape.
 _ONE_ROW_LAUNCH = dict(block_n=8, block_k=1024, num_warps=4, num_stages=4)
-# The down projection with its activation (bench/gemv_sweep.py --gated): the exact activation, recomputed by each of
-# 512 programs, made the GEMV slower than the activation kernel and cuBLAS together on an H200.
-_GATED_ONE_ROW_LAUNCH = dict(_ONE_ROW_LAUNCH, exact_silu=False)
-
-
-@triton.jit
-def _load_x(x_rows, kk, mask, K: tl.constexpr, GATED: tl.constexpr, EXACT_SILU: tl.constexpr):
-    """A [BM, BK] block of the input: x itself, or silu(gate) * up for rows laid out as [gate | up] of K each.
-
-    Every program computes the whole activation again, so its cost counts as many times as there are programs:
-    EXACT_SILU follows torch's float32 math bit for bit (the vendor exp, IEEE division); otherwise exp2 and an
-    approximate reciprocal (a few ulps of float32 before the rounding to the input dtype)."""
-    if GATED:
-        gate = tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
-        up = tl.load(x_rows + K + kk[None, :], mask=mask, other=0.0)
-        if EXACT_SILU:
-            return silu_times(gate, up)
-        g = gate.to(tl.float32)
-        act = round_to(g / (1.0 + tl.exp2(g * -1.4426950408889634)), up.dtype)
-        return round_to(act.to(tl.float32) * up.to(tl.float32), up.dtype)
-    return tl.load(x_rows + kk[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -62,8 +40,6 @@ def _gemv_kernel(
     stride_wn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,
-    EXACT_SILU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -85,14 +61,14 @@ def _gemv_kernel(
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         wait_for_previous_kernel(USE_PDL)
-        x = _load_x(x_rows, offs_k, m_mask[:, None] & k_mask[None, :], K, GATED, EXACT_SILU)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-        x = _load_x(x_rows, kk, m_mask[:, None] & k_mask[None, :], K, GATED, EXACT_SILU)  # [BM, BK]
+        x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
         acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -105,20 +81,14 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    gated: bool = False,
-    exact_silu: bool = True,
     block_n: int = 16,
     block_k: int = 512,
     num_warps: int = 4,
     num_stages: int = 3,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias) for small M; weight rows contiguous. gated: x is [M, 2K] = [gate | up]
-    and the product is silu_and_mul(x) @ weight.T, the activation computed as its blocks are loaded (exact_silu:
-    bit for bit torch's, else with faster float32 math)."""
-    m, k = x.shape[0], weight.shape[1]
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"gemv: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} (gated={gated})")
+    """x [M, K] @ weight[N, K].T (+ bias) for small M; weight rows contiguous."""
+    m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -133,8 +103,6 @@ def gemv(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        GATED=gated,
-        EXACT_SILU=exact_silu,
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -146,43 +114,27 @@ def gemv(
     return out
 
 
-def _takes_one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A one-row input the kernel reads as it is: half precision like the weight, both with contiguous rows."""
-    return (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and x.dtype == weight.dtype
-        and weight.dtype in (torch.bfloat16, torch.float16)
-        and x.stride(1) == 1
-        and weight.stride(1) == 1
-    )
-
-
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any = None, *, pdl: bool = False
 ) -> torch.Tensor:
     """The ops table's `linear`: the GEMV for one row and a weight small enough to gain from it, else torch's."""
-    if _takes_one_row(x, weight) and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS:
+    if (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and weight.numel() <= GEMV_MAX_WEIGHT_ELEMENTS
+        and x.dtype == weight.dtype
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    ):
         return gemv(x, weight, bias, **_ONE_ROW_LAUNCH, pdl=pdl)
     return F.linear(x, weight, bias)
-
-
-def silu_and_mul_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any = None, *, pdl: bool = False
-) -> torch.Tensor:
-    """The ops table's `silu_and_mul_linear` (the MLP's activation and down projection): one gated GEMV for one
-    row, whatever the weight's size (the activation kernel and cuBLAS's split-K reduce it saves outweigh cuBLAS's
-    edge on large weights), else the Triton activation and torch's matmul."""
-    if _takes_one_row(x, weight):
-        return gemv(x, weight, bias, gated=True, **_GATED_ONE_ROW_LAUNCH, pdl=pdl)
-    return F.linear(silu_and_mul(x, pdl=pdl), weight, bias)
 
 
 def skinny_linear_ops(pdl: bool = False) -> dict[str, Any]:
     """Op table entries for a platform's `fused_ops` (the weight is used as loaded: no prepared form); `pdl`: the
     GEMV launched with programmatic dependent launch (`omnirun.kernels.triton.pdl`)."""
-    ops = {"linear": linear, "silu_and_mul_linear": silu_and_mul_linear}
     return {
-        **({name: functools.partial(op, pdl=True) for name, op in ops.items()} if pdl else ops),
+        "linear": functools.partial(linear, pdl=True) if pdl else linear,
         "prepare_linear": native_ops.prepare_linear,
     }

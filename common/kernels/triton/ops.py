@@ -215,23 +215,17 @@ def add_rms_norm(
 
 
 @triton.jit
-def silu_times(gate, up):
-    """silu(gate) * up in up's dtype, as `native_ops.silu_and_mul` rounds it: silu in float32 as torch's kernel
-    (x / (1 + exp(-x)), IEEE division), rounded; then the product, rounded. Shared with the gated GEMV."""
-    gate = gate.to(tl.float32)
-    act = round_to(tl.math.div_rn(gate, 1.0 + _exp(-gate)), up.dtype)
-    return round_to(act.to(tl.float32) * up.to(tl.float32), up.dtype)
-
-
-@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < d
-    gate = tl.load(x_ptr + row * x_stride + col, mask=mask, other=0.0)
+    gate = tl.load(x_ptr + row * x_stride + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + d + col, mask=mask, other=0.0)
-    tl.store(out_ptr + row * out_stride + col, silu_times(gate, up), mask=mask)
+    # silu in float32 as torch's kernel (x / (1 + exp(-x)), IEEE division), rounded; then the product, rounded.
+    act = round_to(tl.math.div_rn(gate, 1.0 + _exp(-gate)), up.dtype)
+    out = round_to(act.to(tl.float32) * up.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + col, out, mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:

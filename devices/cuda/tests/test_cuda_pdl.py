@@ -50,7 +50,7 @@ def _step(weights, caches, inputs, pdl: bool) -> torch.Tensor:
     residual = torch.zeros_like(hidden)
     part_out, part_lse = partial_buffers(1, HEADS, 16, HEAD_DIM, hidden.device)
     q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    for layer, (w, (k_cache, v_cache)) in enumerate(zip(weights, caches, strict=True)):
+    for w, (k_cache, v_cache) in zip(weights, caches, strict=True):
         hidden, residual = ops.add_rms_norm(hidden, residual, w["norm1"], 1e-6, pdl=pdl)
         q, k, v = gemv.linear(hidden, w["qkv"], None, pdl=pdl).split([q_size, kv_size, kv_size], dim=-1)
         rotate_and_store_kv(k_cache, v_cache, slots, positions, q, k, v, table, HEAD_DIM, pdl=pdl)
@@ -61,11 +61,8 @@ def _step(weights, caches, inputs, pdl: bool) -> torch.Tensor:
         )  # fmt: skip
         hidden = gemv.linear(attn.view(1, -1), w["o"], None, pdl=pdl)
         hidden, residual = ops.add_rms_norm(hidden, residual, w["norm2"], 1e-6, pdl=pdl)
-        gate_up = gemv.linear(hidden, w["gate_up"], None, pdl=pdl)
-        if layer % 2:  # the activation in the down projection's GEMV (the decode path) and on its own
-            hidden = gemv.silu_and_mul_linear(gate_up, w["down"], None, pdl=pdl)
-        else:
-            hidden = gemv.linear(ops.silu_and_mul(gate_up, pdl=pdl), w["down"], None, pdl=pdl)
+        act = ops.silu_and_mul(gemv.linear(hidden, w["gate_up"], None, pdl=pdl), pdl=pdl)
+        hidden = gemv.linear(act, w["down"], None, pdl=pdl)
     return ops.rms_norm(hidden, weights[0]["norm1"], 1e-6, pdl=pdl)
 
 

@@ -178,12 +178,12 @@ def test_triton_kernels_launch_with_pdl_from_hopper_on(fake_gpu, monkeypatch, ca
     assert cuda.uses_pdl() is pdl
     assert cuda.attention_backend_factories()["triton"](types.SimpleNamespace()).pdl is pdl
     fused = cuda.fused_ops()
-    for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear", "silu_and_mul_linear"):
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear"):
         op = fused[name]
         if pdl:
             assert op.keywords == {"pdl": True}, name
         else:
-            assert op in (getattr(ops, name, None), gemv.linear, gemv.silu_and_mul_linear), name
+            assert op in (getattr(ops, name, None), gemv.linear), name
     assert fused["argmax"].pdl is pdl
 
 
