@@ -96,13 +96,15 @@ def _decode_split_kernel(
     DOT_TY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous_kernel(USE_PDL)  # before any access: even an empty split writes its lse
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # The request's row and length are written before the step, never by the kernel just before this one (the KV
+    # store): under PDL they load ahead of the wait, one link less in the chain row -> table -> K/V after it.
     row = tl.load(req_rows + b).to(tl.int64)
     seq_len = tl.load(seq_lens + b)
+    wait_for_previous_kernel(USE_PDL)  # before touching q, the cache or the outputs (even an empty split's lse)
     # Splits start on BLOCK_N boundaries so every block but a split's last is full.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * split_len

@@ -216,15 +216,18 @@ def _rotate_and_store_kv_kernel(
 ):
     """Program (token, chunk of heads): rotates the chunk's q heads in place, and writes its k heads rotated and
     its v heads as they are to row `slots[token]` of the caches, cast."""
-    wait_for_previous_kernel(USE_PDL)
+    # Positions, the cos|sin table and the slots are written before the step, never by the kernel just before this
+    # one (the q|k|v projection): under PDL their loads go ahead of the wait, off the chain of dependent loads.
     token, first_head, d, d_mask, cos, sin = rope_program(
         positions_ptr, cos_sin_ptr, cos_sin_stride, q_ptr.dtype.element_ty, HALF, BLOCK_HALF, BLOCK_HEADS
     )
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    wait_for_previous_kernel(USE_PDL)
     rotate_heads_in_place(q_ptr + token * q_stride, q_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS)
     k1, k2, in_row, mask = rotated_heads(
         k_ptr + token * k_stride, kv_heads, first_head, cos, sin, d, d_mask, HALF, BLOCK_HEADS
     )
-    dst = tl.load(slots_ptr + token).to(tl.int64) * (kv_heads * 2 * HALF) + in_row
+    dst = slot * (kv_heads * 2 * HALF) + in_row
     out_ty = k_cache_ptr.dtype.element_ty
     tl.store(k_cache_ptr + dst, _cast(k1, out_ty, KIND), mask=mask)
     tl.store(k_cache_ptr + dst + HALF, _cast(k2, out_ty, KIND), mask=mask)
