@@ -131,6 +131,7 @@ class ModelRunner:
         try:
             self.tp = self._init_distributed()
             self.layout = tp_layout(self.shape, self.tp.size, self.tp.rank)
+            self.ops = resolve_ops(self.platform.fused_ops())  # the layers' kernels and the sampler's argmax
             self.model = self._load_model()
             # The graph runner exists before the KV pool so that its memory is taken out of the pool's budget; it
             # captures once the pool and the attention backend exist (the graphs read both).
@@ -166,13 +167,12 @@ class ModelRunner:
         return TensorParallel(dist.get_rank(), world, self.platform.make_communicator(None))
 
     def _load_model(self) -> DecoderForCausalLM:
-        self.ops = ops = resolve_ops(self.platform.fused_ops())
         with torch.device(self.device):
             model = DecoderForCausalLM(
                 self.shape,
                 self.model_config,
                 max_positions=self.context_length,
-                ops=ops,
+                ops=self.ops,
                 dtype=self.dtype,
                 tp=self.tp,
                 layout=self.layout,
