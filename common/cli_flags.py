@@ -15,6 +15,7 @@ _VALUE_FLAGS: list[tuple[str, type, str]] = [
     ("--mem-fraction-static", float, "share of device memory for weights + KV cache (default: the platform's)"),
     ("--max-total-tokens", int, "cap on the KV pool in tokens"),
     ("--max-running-requests", int, "requests decoded together at most (default: from the KV pool, 256..1024)"),
+    ("--max-graph-batch-size", int, "largest decode batch run as a captured graph (default: the platform's)"),
     ("--context-length", int, "longest prompt + output (default: the model's max_position_embeddings)"),
     ("--attention-backend", str, "attention backend for prefill and decode"),
     ("--prefill-attention-backend", str, "attention backend for prefill only"),

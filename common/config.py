@@ -34,6 +34,8 @@ class RunnerConfig:
     prefill_attention_backend: str | None = None
     decode_attention_backend: str | None = None
     disable_graph: bool = False
+    # Decode batches up to this size replay captured graphs, larger ones run eagerly (None: the platform's limit).
+    max_graph_batch_size: int | None = None
     seed: int = 0
     tp_size: int = 1
     # Several nodes (SGLang's flags): how many, which one this is, and node 0's rendezvous address HOST:PORT.
@@ -60,6 +62,7 @@ class RunnerConfig:
             ("--max-total-tokens", self.max_total_tokens),
             ("--max-running-requests", self.max_running_requests),
             ("--context-length", self.context_length),
+            ("--max-graph-batch-size", self.max_graph_batch_size),
         ):
             if value is not None and value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")

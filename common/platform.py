@@ -95,8 +95,10 @@ class Platform:
     # Share of the device's total memory the runner may fill with weights + KV cache when the user names none:
     # the rest is left for activations, graph pools and other processes.
     default_mem_fraction_static: ClassVar[float] = 0.85
-    # Decode batches above this run eagerly: capturing more sizes costs start-up time and pool memory for little
-    # gain (at these sizes the device, not the launches, is the bottleneck).
+    # Decode batches above this run eagerly unless --max-graph-batch-size says otherwise: capturing more sizes
+    # costs start-up time and pool memory (taken from the KV pool), and there the device, not the launches, is the
+    # bottleneck (H200, 1,000 prompts of 256 -> 256 at 1,024 running: 15.0k output tok/s with graphs up to 1,024,
+    # 15.7k with them up to 256; bench/results_h200_offline_bs1024_1000_graphs*.json).
     max_graph_batch_size: ClassVar[int] = 256
     # Where the device's own attention backends go in `attention_backends()`: first (True), or after the portable
     # GPU backends (triton) and before torch_native (False: an own backend not yet measured against triton).
@@ -208,7 +210,8 @@ class Platform:
             return None
         from omnirun.graphs import DecodeGraphRunner
 
-        max_batch_size = min(runner.max_running_requests, self.max_graph_batch_size)
+        limit = runner.config.max_graph_batch_size or self.max_graph_batch_size
+        max_batch_size = min(runner.max_running_requests, limit)
         return DecodeGraphRunner(runner, api, max_batch_size=max_batch_size)
 
     def decode_attention_backend(self, runner: Any) -> str:

@@ -54,6 +54,7 @@ LLM_CASES = [
     (dict(max_total_tokens=10), KVPoolTooSmallError, "--max-total-tokens 10 cannot hold one request"),
     (dict(max_running_requests=0), ConfigError, "--max-running-requests must be >= 1, got 0"),
     (dict(context_length=0), ConfigError, "--context-length must be >= 1, got 0"),
+    (dict(max_graph_batch_size=0), ConfigError, "--max-graph-batch-size must be >= 1, got 0"),
     (dict(dtype="float64"), ConfigError, "--dtype 'float64' is unknown"),
     (dict(load_format="pt"), ConfigError, "--load-format 'pt' is unknown"),
     (dict(kv_cache_dtype="int4"), ConfigError, "--kv-cache-dtype 'int4' is unknown"),

@@ -42,8 +42,12 @@ class GraphCpu(CpuPlatform):
         return {"capturable": CapturableBackend, "function": lambda context: None, "eager": _built_eagerly}
 
 
-def _runner(running: int = 8, decode: str | None = None, attention: str | None = None) -> types.SimpleNamespace:
-    config = types.SimpleNamespace(decode_attention_backend=decode, attention_backend=attention)
+def _runner(
+    running: int = 8, decode: str | None = None, attention: str | None = None, graph_limit: int | None = None
+) -> types.SimpleNamespace:
+    config = types.SimpleNamespace(
+        decode_attention_backend=decode, attention_backend=attention, max_graph_batch_size=graph_limit
+    )
     return types.SimpleNamespace(config=config, dtype=torch.float32, max_running_requests=running)
 
 
@@ -60,6 +64,13 @@ def test_the_graph_runner_is_built_over_the_platforms_graph_api(running):
     assert isinstance(graphs, DecodeGraphRunner) and graphs.api is STUB_API
     assert graphs.max_batch_size == min(running, GraphCpu.max_graph_batch_size)
     assert CpuPlatform().make_graph_runner(_runner(running)) is None  # no graph API: eager
+
+
+@pytest.mark.parametrize(("running", "limit"), [(1000, 512), (1000, 1024), (300, 1024), (1000, 8)])
+def test_max_graph_batch_size_replaces_the_platforms_limit(running, limit):
+    graphs = GraphCpu().make_graph_runner(_runner(running, graph_limit=limit))
+    assert graphs.max_batch_size == min(running, limit)
+    assert graphs.batch_sizes[-1] == min(running, limit)
 
 
 @pytest.mark.parametrize(
