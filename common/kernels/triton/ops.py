@@ -117,9 +117,12 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    col = tl.arange(0, BLOCK)[None, :]
+    # No kernel writes the weight: under PDL it loads before the wait, off the chain of loads after it (there it
+    # would come after the reduction, one more round trip per norm).
+    weight = tl.load(weight_ptr + col, mask=col < n, other=0.0)
     wait_for_previous_kernel(USE_PDL)
     row = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
-    col = tl.arange(0, BLOCK)[None, :]
     mask = (row < rows) & (col < n)
     x = tl.load(x_ptr + row * x_stride + col, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -130,7 +133,6 @@ def _rms_norm_kernel(
     # mean as torch's GPU reduction takes it: the sum times 1/n (padding lanes add zeros).
     mean_square = tl.sum(x32 * x32, axis=1) * inv_n
     normed = round_to(x32 * _rsqrt(mean_square + eps)[:, None], x.dtype)
-    weight = tl.load(weight_ptr + col, mask=col < n, other=0.0)
     out = round_to(normed.to(tl.float32) * weight.to(tl.float32), out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + col, out, mask=mask)
 
