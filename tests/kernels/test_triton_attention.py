@@ -333,3 +333,17 @@ def test_rotary_the_store_cannot_take_is_applied_first():
         else:
             outs.append(backend.forward(*rotary.apply(q, k), v, layer, batch))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_decode_batch_beyond_the_grid_limit_is_refused_with_the_flag_to_change():
+    from omnirun.kernels.triton.decode import MAX_DECODE_BATCH, decode_attention, partial_buffers
+
+    batch = MAX_DECODE_BATCH + 1
+    q = torch.zeros(batch, 1, 16, device=DEVICE)
+    cache = torch.zeros(4, 1, 16, device=DEVICE)
+    lengths = torch.ones(batch, dtype=torch.int32, device=DEVICE)
+    rows = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+    part_out, part_lse = partial_buffers(batch, 1, 1, 16, q.device)
+    table = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 65535 .* lower --max-running-requests"):
+        decode_attention(q, cache, cache, table, rows, lengths, part_out, part_lse, torch.empty_like(q), 0.25)

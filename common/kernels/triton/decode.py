@@ -22,6 +22,8 @@ import triton.language as tl
 from omnirun.kernels.triton.pdl import launch_options, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634
+# Requests are the grid's second axis, which CUDA caps at 65,535 programs.
+MAX_DECODE_BATCH = 65535
 
 # bfloat16 tl.dot multiplies bit patterns in the Triton interpreter (triton-lang/triton#11584): there the dot
 # operands are widened to float32, after rounding to the query dtype so the numbers match the compiled kernel.
@@ -234,6 +236,11 @@ def decode_attention(
         )
     if part_out.shape[0] < batch or part_out.shape[1] != num_heads or part_out.shape[3] != head_dim:
         raise ValueError(f"decode_attention: part_out {tuple(part_out.shape)} does not fit q {tuple(q.shape)}")
+    if batch > MAX_DECODE_BATCH:
+        raise ValueError(
+            f"decode_attention: {batch} requests in one step, at most {MAX_DECODE_BATCH} (the grid's second axis): "
+            "lower --max-running-requests"
+        )
     if batch == 0:
         return
     group = num_heads // num_kv_heads
