@@ -41,9 +41,12 @@ def main() -> None:
     )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_new_tokens=args.steps + args.timed_steps + 20, ignore_eos=True)
-    for prompt in random_prompts(args.batch_size, args.input_len, llm.runner.shape.vocab_size, seed=0):
+    requests = [
         engine.add_request(prompt, params)
-    for _ in range(5):  # prefill, then warm decode steps
+        for prompt in random_prompts(args.batch_size, args.input_len, llm.runner.shape.vocab_size, seed=0)
+    ]
+    # Prefill (as many chunked steps as the prompts take), then a few decode steps of the whole batch.
+    while min(len(r.output_ids) for r in requests) < 3:
         engine.step()
     with torch.profiler.profile() as prof:
         for _ in range(args.steps):

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from omnirun.config import RunnerConfig
 from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.env_report import platform_row, to_table
 from omnirun.graphs import DecodeGraphRunner, GraphAPI
@@ -45,8 +46,8 @@ class GraphCpu(CpuPlatform):
 def _runner(
     running: int = 8, decode: str | None = None, attention: str | None = None, graph_limit: int | None = None
 ) -> types.SimpleNamespace:
-    config = types.SimpleNamespace(
-        decode_attention_backend=decode, attention_backend=attention, max_graph_batch_size=graph_limit
+    config = RunnerConfig(  # loads nothing
+        model="stand-in", decode_attention_backend=decode, attention_backend=attention, max_graph_batch_size=graph_limit
     )
     return types.SimpleNamespace(config=config, dtype=torch.float32, max_running_requests=running)
 

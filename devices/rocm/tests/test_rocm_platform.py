@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from omnirun.config import RunnerConfig
 from omnirun.devices.rocm import platform as rocm_module
 from omnirun.devices.rocm.gfx_arch import GfxArch
 from omnirun.devices.rocm.platform import VISIBILITY_ENVS, RocmPlatform
@@ -211,8 +212,8 @@ def test_import_and_probe_leave_vendor_packages_unimported(tmp_path):
 
 # --- aiter offered where it is installed; triton and torch_native otherwise ---
 def _runner(dtype=torch.bfloat16, **config):
-    flags = {"decode_attention_backend": None, "attention_backend": None, **config}
-    return types.SimpleNamespace(config=types.SimpleNamespace(**flags), dtype=dtype, max_running_requests=8)
+    # A real RunnerConfig (it loads nothing): the platform reads whichever of its fields it needs.
+    return types.SimpleNamespace(config=RunnerConfig(model="stand-in", **config), dtype=dtype, max_running_requests=8)
 
 
 def test_without_aiter_the_portable_parts_only(fake_gpu, monkeypatch: pytest.MonkeyPatch):

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+from omnirun.config import RunnerConfig
 from omnirun.devices.xpu.platform import XpuPlatform
 from omnirun.env_report import _cells, platform_row
 
@@ -51,7 +52,7 @@ def test_mismatched_ipex_falls_back_and_env_says_why(
 
 
 def _runner(decode: str | None, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> types.SimpleNamespace:
-    config = types.SimpleNamespace(decode_attention_backend=decode, attention_backend=None)
+    config = RunnerConfig(model="stand-in", decode_attention_backend=decode)  # loads nothing
     return types.SimpleNamespace(
         config=config, dtype=dtype, shape=types.SimpleNamespace(head_dim=head_dim), max_running_requests=8
     )
