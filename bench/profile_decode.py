@@ -65,23 +65,30 @@ def device_idle_time(prof, steps: int) -> str:
     graphs too) and in long ones (waiting for the host to queue the next work)."""
     from torch.autograd import DeviceType
 
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type != DeviceType.CPU)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type != DeviceType.CPU
+    )
     if not spans:
         return "no device events recorded"
     short = long = 0.0
+    short_before: dict[str, float] = {}  # the short gaps by the kernel that ends them: which launches wait
     end = spans[0][1]
-    for start, stop in spans[1:]:
+    for start, stop, name in spans[1:]:
         gap = start - end
         if gap > 0:
             if gap > 50:  # microseconds
                 long += gap
             else:
                 short += gap
+                short_before[name] = short_before.get(name, 0.0) + gap
         end = max(end, stop)
     total = (end - spans[0][0]) / 1e3
+    worst = sorted(short_before.items(), key=lambda item: -item[1])[:8]
     return (
         f"device over {steps} steps: {total / steps:.3f} ms per step from first to last kernel, idle "
-        f"{short / 1e3 / steps:.3f} ms in gaps <= 50 us and {long / 1e3 / steps:.3f} ms in longer ones"
+        f"{short / 1e3 / steps:.3f} ms in gaps <= 50 us and {long / 1e3 / steps:.3f} ms in longer ones\n"
+        "short gaps per step by the kernel after them: "
+        + ", ".join(f"{name[:48]} {gap / steps:.1f} us" for name, gap in worst)
     )
 
 
