@@ -47,7 +47,6 @@ def time_setting(
     warps: int,
     stages: int,
     splits: int,
-    heads_per_program: int = 1,
     pdl: bool = False,
 ) -> float:
     """Microseconds per layer of a graph replaying the kernel once per layer."""
@@ -61,7 +60,7 @@ def time_setting(
             decode_attention(
                 q, k_cache, v_cache, kv.req_to_token.table, batch.req_pool_indices, batch.seq_lens,
                 part_out, part_lse, out, head_dim**-0.5, block_n=block_n, num_warps=warps, num_stages=stages,
-                heads_per_program=heads_per_program, pdl=pdl,
+                pdl=pdl,
             )  # fmt: skip
 
     run()  # compiles
@@ -88,7 +87,6 @@ def main() -> None:
     parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--num-stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--heads-per-program", type=int, nargs="+", default=[1], help="KV heads one program reads")
     parser.add_argument("--pdl", action="store_true", help="launch as the cuda platform does, with PDL")
     parser.add_argument("--min-programs", type=int, default=256, help="skip split counts making fewer programs")
     parser.add_argument("--max-programs", type=int, default=8192, help="skip split counts making more programs")
@@ -110,31 +108,26 @@ def main() -> None:
         # The backend's own split count for this batch (what a captured graph of this size uses).
         default_splits = TritonAttention(types.SimpleNamespace(num_kv_heads=args.kv_heads)).decode_splits(batch_size)
         times = []
-        for block_n, warps, stages, splits, hpp in itertools.product(
-            args.block_n,
-            args.num_warps,
-            args.num_stages,
-            split_counts(args, batch_size, default_splits),
-            args.heads_per_program,
+        for block_n, warps, stages, splits in itertools.product(
+            args.block_n, args.num_warps, args.num_stages, split_counts(args, batch_size, default_splits)
         ):
             try:
-                us = time_setting(layers, q, block_n, warps, stages, splits, hpp, args.pdl)
+                us = time_setting(layers, q, block_n, warps, stages, splits, args.pdl)
             except Exception as e:  # noqa: BLE001 (out of shared memory or registers: a setting, not a bug)
                 print(f"  skip block_n={block_n} warps={warps} stages={stages} splits={splits}: {type(e).__name__}")
                 continue
-            launch = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "splits": splits}
-            times.append({**launch, "heads_per_program": hpp, "us": us})
+            times.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "splits": splits, "us": us})
         times.sort(key=lambda t: t["us"])
-        setting = lambda t: (t["block_n"], t["num_warps"], t["num_stages"], t["splits"], t["heads_per_program"])  # noqa: E731
+        setting = lambda t: (t["block_n"], t["num_warps"], t["num_stages"], t["splits"])  # noqa: E731
         # The portable backend's launch (two stages) and the one the cuda platform builds (three).
         defaults = {
-            tag: next((t for t in times if setting(t) == (64, 4, stages, default_splits, 1)), None)
+            tag: next((t for t in times if setting(t) == (64, 4, stages, default_splits)), None)
             for tag, stages in (("portable", 2), ("cuda", 3))
         }
         for tag, t in [("best", t) for t in times[: args.top]] + [(k, v) for k, v in defaults.items() if v]:
             print(
                 f"bs={batch_size:<4} ctx={context:<5} {tag:8} block_n={t['block_n']:<3} warps={t['num_warps']} "
-                f"stages={t['num_stages']} splits={t['splits']:<2} heads={t['heads_per_program']} {t['us']:8.2f} us  "
+                f"stages={t['num_stages']} splits={t['splits']:<2} {t['us']:8.2f} us  "
                 f"{kv_bytes / t['us'] / 1e3:6.0f} GB/s",
                 flush=True,
             )

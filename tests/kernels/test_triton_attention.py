@@ -145,21 +145,6 @@ def test_decode_matches_torch_native(case):
     assert_close(got, want, case)
 
 
-@pytest.mark.parametrize("heads_per_program", [2, 4])
-@pytest.mark.parametrize("case", [c for c in CASES if c.num_kv_heads > 1], ids=str)
-def test_decode_reading_several_kv_heads_per_program_matches_torch_native(case, heads_per_program):
-    """One program walking several KV heads' keys in one loop ends each head's softmax where its keys end."""
-    kv, context, layer = make_setup(case, seed=2)
-    prefix_lens = [0, 5, 70, 170]  # one key, part of a block, several blocks, several splits
-    rows = fill_prefixes(kv, prefix_lens)
-    batch = build_batch(kv, rows, prefix_lens, [[1]] * len(rows), DEVICE)
-    q, k, v = qkv(case, batch.num_tokens)
-    want = run(TorchNativeAttention(context), q, k, v, layer, batch)
-    backend = TritonAttention(context, case.num_splits)
-    backend.decode_heads_per_program = lambda batch_size, splits: heads_per_program  # the kernel at every split count
-    assert_close(run(backend, q, k, v, layer, batch), want, case)
-
-
 @pytest.mark.parametrize("with_prefix", [False, True], ids=["no_prefix", "prefix"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_extend_matches_torch_native(case, with_prefix):
@@ -261,17 +246,6 @@ def test_large_decode_batches_take_fewer_splits():
     assert [backend.decode_splits(b) for b in (22, 25, 50, 75)] == [8, 8, 4, 2]
     assert TritonAttention(context, num_splits=3).decode_splits(1) == 3
     assert TritonAttention(context, num_splits=6).decode_splits(25) == 6  # never above num_splits
-
-
-def test_one_split_batches_group_kv_heads_while_enough_programs_remain():
-    _, context, _ = make_setup(Case(1, 64, 8, 4, None, torch.float32, torch.float32), seed=4)
-    assert TritonAttention(context).decode_heads_per_program(1024, 1) == 1  # not asked to group
-    backend = TritonAttention(context, decode_head_group_programs=512)
-    # 4 KV heads: (requests x KV heads) / group >= 512, the group a power of two dividing 4.
-    assert [backend.decode_heads_per_program(b, 1) for b in (64, 128, 255, 256, 512, 4096)] == [1, 1, 1, 2, 4, 4]
-    assert backend.decode_heads_per_program(4096, 2) == 1  # a batch in splits keeps every program
-    _, context, _ = make_setup(Case(1, 64, 6, 3, None, torch.float32, torch.float32), seed=4)
-    assert TritonAttention(context, decode_head_group_programs=1).decode_heads_per_program(64, 1) == 1  # 3 is odd
 
 
 def test_a_large_decode_batch_in_one_split_matches_torch_native():

@@ -66,8 +66,6 @@ class TritonAttention(AttentionBackend):
     short sequences. A batch with `DECODE_PROGRAMS` (request, KV head) pairs or more fills the GPU by itself and
     takes fewer splits (one at the largest batches, which then skips the merge and its scratch traffic).
     The rotary embedding a layer hands over is fused into the KV store where the kernel takes its inputs.
-    decode_head_group_programs: let a one-split batch's programs read several KV heads each while this many
-    programs remain (None: one head a program; see `decode_heads_per_program`).
     The remaining arguments tune the kernels' launches (None: the tiles `extend.extend_tiles` picks); `pdl`
     launches the decode-path kernels with programmatic dependent launch (`omnirun.kernels.triton.pdl`).
     """
@@ -87,7 +85,6 @@ class TritonAttention(AttentionBackend):
         decode_block_n: int = 64,
         decode_num_warps: int = 4,
         decode_num_stages: int = 2,
-        decode_head_group_programs: int | None = None,
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
         pdl: bool = False,
@@ -98,12 +95,8 @@ class TritonAttention(AttentionBackend):
         self.num_splits = num_splits
         self.pdl = pdl
         self._decode_launch = dict(
-            block_n=decode_block_n,
-            num_warps=decode_num_warps,
-            num_stages=decode_num_stages,
-            pdl=pdl,
+            block_n=decode_block_n, num_warps=decode_num_warps, num_stages=decode_num_stages, pdl=pdl
         )
-        self.head_group_programs = decode_head_group_programs
         self._extend_launch = {"block_m": extend_block_m, "block_n": extend_block_n}
         self._decode: _DecodeMetadata | None = None
         self._extend: _ExtendMetadata | None = None
@@ -136,17 +129,6 @@ class TritonAttention(AttentionBackend):
         pairs = max(batch_size, 1) * self.context.num_kv_heads
         wanted = -(-self.DECODE_PROGRAMS // pairs)
         return min(self.num_splits, 1 << (wanted - 1).bit_length())  # the power of two at or above
-
-    def decode_heads_per_program(self, batch_size: int, splits: int) -> int:
-        """KV heads one decode program reads one after the other: 1, or for a one-split batch the largest power of
-        two (dividing the KV head count) that leaves at least `head_group_programs` programs. A program of a short
-        sequence pays a pipeline's start for a few key blocks; several heads in one program pay it once."""
-        if self.head_group_programs is None or splits > 1:
-            return 1
-        kv_heads, group = self.context.num_kv_heads, 1
-        while kv_heads % (2 * group) == 0 and batch_size * kv_heads // (2 * group) >= self.head_group_programs:
-            group *= 2
-        return group
 
     def _eager_scratch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scratch is None or self._scratch[0].shape[0] < batch_size:
@@ -252,7 +234,6 @@ class TritonAttention(AttentionBackend):
             out.view(batch_size, layer.num_heads, layer.head_dim),
             layer.scaling,
             layer.sliding_window,
-            heads_per_program=self.decode_heads_per_program(batch_size, part_out.shape[2]),
             **self._decode_launch,
         )
         return out

@@ -15,8 +15,6 @@ Kernels work in base 2 (exp2/log2, the softmax scale pre-multiplied by log2(e)):
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -96,7 +94,6 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_TY: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -105,7 +102,7 @@ def _decode_split_kernel(
     # read neighbouring bytes of the same cache rows (a slot's heads are contiguous): on an H200 3-4 % faster at
     # 256-512 requests than with requests along the fastest axis, the same at 1-32 under PDL
     # (bench/results_h200_decode_grid_order.json).
-    kv_head0 = tl.program_id(0) * HEADS_PER_PROGRAM
+    kv_head = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -124,86 +121,37 @@ def _decode_split_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    lse_ptrs = part_lse + b * stride_lb + heads * stride_lh + split
     if lo >= hi:
         # An empty split (short sequence, or wholly below the window): lse = -inf, which the merge skips.
-        for h in tl.static_range(HEADS_PER_PROGRAM):
-            heads = (kv_head0 + h) * GROUP + offs_h
-            lse_ptrs = part_lse + b * stride_lb + heads * stride_lh + split
-            tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
+        tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
         return
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+
     Q_TY: tl.constexpr = Q.dtype.element_ty
-    q_mask = mask_h[:, None] & mask_d[None, :]
-    q_row = Q + b * stride_qb + offs_d[None, :]
+    q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = q.to(DOT_TY)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     table_row = req_to_token + row * stride_table
-    if HEADS_PER_PROGRAM == 1:
-        heads = kv_head0 * GROUP + offs_h
-        q = tl.load(q_row + heads[:, None] * stride_qh, mask=q_mask, other=0.0).to(DOT_TY)
-        k_head = K_cache + kv_head0 * stride_kh
-        v_head = V_cache + kv_head0 * stride_vh
-        for start in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _attend_key_block(
-                q, acc, l_i, m_i, table_row, k_head, v_head, start, hi, stride_ks, stride_vs, offs_d, mask_d,
-                scale_log2, BLOCK_N, Q_TY, DOT_TY,
-            )  # fmt: skip
-        _write_split_result(
-            acc, l_i, m_i, heads, mask_h, offs_d, mask_d, b, split, Out, part_out, part_lse,
-            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS,
-        )  # fmt: skip
-    else:
-        # Several of the request's KV heads one after the other in one loop over (head, key block): the software
-        # pipeline runs on across a head's end, so the next head's table, K and V loads overlap this head's last
-        # block instead of each short sequence paying a fresh pipeline's latency in a program of its own.
-        num_blocks = tl.cdiv(hi - lo, BLOCK_N)
-        for i in range(0, HEADS_PER_PROGRAM * num_blocks):
-            h = i // num_blocks
-            start = lo + (i - h * num_blocks) * BLOCK_N
-            kv_head = kv_head0 + h
-            heads = kv_head * GROUP + offs_h
-            q = tl.load(q_row + heads[:, None] * stride_qh, mask=q_mask, other=0.0).to(DOT_TY)
-            acc, l_i, m_i = _attend_key_block(
-                q, acc, l_i, m_i, table_row, K_cache + kv_head * stride_kh, V_cache + kv_head * stride_vh, start,
-                hi, stride_ks, stride_vs, offs_d, mask_d, scale_log2, BLOCK_N, Q_TY, DOT_TY,
-            )  # fmt: skip
-            if start + BLOCK_N >= hi:  # the head's last block: write it, start the next head afresh
-                _write_split_result(
-                    acc, l_i, m_i, heads, mask_h, offs_d, mask_d, b, split, Out, part_out, part_lse,
-                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS,
-                )  # fmt: skip
-                m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-                l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-                acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    k_head = K_cache + kv_head * stride_kh
+    v_head = V_cache + kv_head * stride_vh
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        # int64 before multiplying: slot * stride overflows int32 on large pools.
+        slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc, l_i, m_i = online_softmax_block(q, k, v, mask_n[None, :], acc, l_i, m_i, scale_log2, Q_TY, DOT_TY)
 
-
-@triton.jit
-def _attend_key_block(
-    q, acc, l_i, m_i, table_row, k_head, v_head, start, hi, stride_ks, stride_vs, offs_d, mask_d, scale_log2,
-    BLOCK_N: tl.constexpr, Q_TY: tl.constexpr, DOT_TY: tl.constexpr,
-):  # fmt: skip
-    """The keys [start, min(start + BLOCK_N, hi)) of one KV head folded into its online softmax."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hi
-    # int64 before multiplying: slot * stride overflows int32 on large pools.
-    slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-    kv_mask = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-    return online_softmax_block(q, k, v, mask_n[None, :], acc, l_i, m_i, scale_log2, Q_TY, DOT_TY)
-
-
-@triton.jit
-def _write_split_result(
-    acc, l_i, m_i, heads, mask_h, offs_d, mask_d, b, split, Out, part_out, part_lse,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
-):  # fmt: skip
-    """One KV head's result of a split: the output itself when there is one split, else its normalised partial
-    output and log-sum-exp for the merge. Every block held a key (it starts below hi), so l_i > 0 and m_i is
-    finite for every row."""
+    # Every block holds a key (it starts below hi), so l_i > 0 and m_i is finite for every row.
     mask_out = mask_h[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
         out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -211,7 +159,7 @@ def _write_split_result(
     else:
         out_ptrs = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
         tl.store(out_ptrs, acc / l_i[:, None], mask=mask_out)
-        tl.store(part_lse + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=mask_h)
+        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=mask_h)
 
 
 @triton.jit
@@ -269,7 +217,6 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    heads_per_program: int = 1,
     pdl: bool = False,
 ) -> None:
     """Decode attention of `q` over each request's cached keys, written into `out`.
@@ -278,9 +225,7 @@ def decode_attention(
     storage dtype; req_to_token: int32 [rows, max_context_len]; req_rows: [>= batch] request rows; seq_lens:
     int32 [>= batch], keys per request including the query's own. part_out: float32 [>= batch, heads, splits,
     head_dim] and part_lse: float32 [>= batch, heads, splits] are scratch (views with strides are fine); their split
-    count is the split count. heads_per_program: KV heads one program reads one after the other (its greatest
-    common divisor with the KV head count is taken): fewer, longer programs for large batches of short sequences.
-    pdl: both stages launched with programmatic dependent launch (`kernels.triton.pdl`).
+    count is the split count. pdl: both stages launched with programmatic dependent launch (`kernels.triton.pdl`).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -304,8 +249,7 @@ def decode_attention(
         # float32 tiles take twice the shared memory: halve the key block to stay within AMD's 64 KiB LDS.
         block_n = min(block_n, 32)
     use_window = sliding_window is not None
-    heads_per_program = math.gcd(max(heads_per_program, 1), num_kv_heads)
-    _decode_split_kernel[(num_kv_heads // heads_per_program, batch, num_splits)](
+    _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -337,7 +281,6 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        HEADS_PER_PROGRAM=heads_per_program,
         USE_WINDOW=use_window,
         DOT_TY=dot_dtype(q.dtype),
         USE_PDL=pdl,
