@@ -41,6 +41,8 @@ class ForwardBatch:
     input_ids_pending: bool = False
     # What the batch was built from, on the host: the step's message to the other ranks of a tensor-parallel group.
     host: HostBatch | None = None
+    # The device copy of `host.ints`, of which input_ids, positions, out_cache_loc and req_pool_indices are views.
+    device_ints: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -49,6 +51,19 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def decode_inputs(self) -> torch.Tensor | None:
+        """A decode batch's int inputs as one [5, batch] int64 tensor (rows: input_ids, positions, out_cache_loc,
+        req_pool_indices, seq_lens), for a graph runner to copy in one go; None unless the batch's tensors are still
+        the views `HostBatch.to_device` made (a field replaced since, e.g. by padding, is not in it)."""
+        packed, bs = self.device_ints, self.batch_size
+        if self.mode is not ForwardMode.DECODE or packed is None or packed.numel() != 5 * bs:
+            return None
+        rows = packed.view(5, bs)
+        views = (self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices)
+        if any(t.data_ptr() != row.data_ptr() for t, row in zip(views, rows[:4], strict=True)):
+            return None
+        return rows
 
     @classmethod
     def idle(cls, device: torch.device) -> ForwardBatch:
@@ -99,6 +114,7 @@ class HostBatch:
             return_full_logits=self.return_full_logits,
             input_ids_pending=self.input_ids_pending,
             host=self,
+            device_ints=device_ints,
         )
 
 

@@ -126,12 +126,15 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor: ...
 
     # --- graph hooks: a graph runner calls these (only on backends with supports_graph) ---
+
     def init_graph_state(self, max_batch_size: int) -> None:
         """Allocate the static metadata buffers captured graphs will read."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot run inside a captured graph")
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        """Point the metadata at the static buffers while a graph of this batch size is captured."""
+        """Point the metadata at the static buffers while a graph of this batch size is captured. `batch` is the
+        graph runner's static batch: before every replay the runner refills its tensors with the real batch,
+        padded (row 0, one key, padding slot 0), seq_lens inside the graph, so a backend may read them directly."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot run inside a captured graph")
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, padded_batch_size: int) -> None:

@@ -234,8 +234,9 @@ class Engine:
         batch = step.batch
         if step.has_pending_inputs:
             # Tokens that have not reached the host yet: take them where the sampler left them, on the device.
+            # In place: the ids stay a view of the batch's packed inputs, which a graph replay copies in one go.
             ids = batch.input_ids
-            batch.input_ids = torch.where(ids == PENDING_TOKEN, self._row_tokens[batch.req_pool_indices], ids)
+            torch.where(ids == PENDING_TOKEN, self._row_tokens[batch.req_pool_indices], ids, out=ids)
             batch.input_ids_pending = True
         logits = self.runner.forward(batch)
         requests = [step.requests[i] for i in step.sampling]

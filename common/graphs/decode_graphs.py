@@ -2,8 +2,9 @@
 
 Device-neutral: a platform's `graph_api()` hands over its graph API (CUDA and HIP graphs through torch.cuda, ...)
 and `make_graph_runner` builds this runner over it. A decode step's inputs live in static buffers that every
-captured graph reads; a replay copies the batch into them, pads the rest with a harmless dummy request (row 0,
-one token, writing the padding slot 0), lets the attention backend refresh its static metadata, and replays.
+captured graph reads, rows of one tensor; a replay copies the batch into them (one copy where the batch's inputs
+are still the views of its packed device copy), pads the rest with a harmless dummy request (row 0, one token,
+writing the padding slot 0), lets the attention backend refresh its static metadata, and replays.
 """
 
 from __future__ import annotations
@@ -76,13 +77,20 @@ class DecodeGraphRunner:
             self.batch_sizes = []
             return
         device, max_bs = self.runner.device, self.max_batch_size
+        # The static int inputs as the rows of one tensor laid out like a batch's `decode_inputs()`, so that a
+        # replay fills them with one copy; the attention kernels' int32 seq_lens is cast from row 4 in the graph.
+        self.inputs = torch.zeros(5, max_bs, dtype=torch.int64, device=device)
+        # Padding rows: token 0 at position 0 of request row 0, one token long, writing the padding slot 0.
+        self.padding = torch.tensor([0, 0, 0, 0, 1], dtype=torch.int64, device=device)[:, None].expand(5, max_bs)
+        self.inputs.copy_(self.padding)
+        input_ids, positions, out_cache_loc, req_pool_indices, _ = self.inputs
         self.static = ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
-            req_pool_indices=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=req_pool_indices,
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
-            out_cache_loc=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            out_cache_loc=out_cache_loc,
             seq_lens_cpu=torch.ones(max_bs, dtype=torch.int32),
             extend_prefix_lens_cpu=torch.zeros(max_bs, dtype=torch.int32),
             extend_seq_lens_cpu=torch.ones(max_bs, dtype=torch.int32),
@@ -126,12 +134,17 @@ class DecodeGraphRunner:
                 batch = self._static_batch(bs)
                 backend.init_forward_metadata_capture(batch)
                 for _ in range(2):  # warm up outside the graph: lazy init, kernel compilation, workspaces
-                    self.runner.run_model(batch)
+                    self._run_model(batch)
                 platform.synchronize()
                 graph = self.api.new_graph()
                 with self.api.capture(graph, pool=pool):
-                    logits = self.runner.run_model(batch)
+                    logits = self._run_model(batch)
                 self.graphs[bs] = (graph, logits, batch)
+
+    def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """What a graph holds: seq_lens from the static inputs (int64 to the kernels' int32), then the model."""
+        batch.seq_lens.copy_(self.inputs[4, : batch.batch_size])
+        return self.runner.run_model(batch)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         s = self.static
@@ -154,17 +167,17 @@ class DecodeGraphRunner:
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
         padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
-        s = self.static
-        s.input_ids[:bs].copy_(batch.input_ids)
-        s.positions[:bs].copy_(batch.positions)
-        s.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+        packed = batch.decode_inputs()
+        if packed is not None:
+            self.inputs[:, :bs].copy_(packed)
+        else:
+            rows = (batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens)
+            for row, values in zip(self.inputs, rows, strict=True):
+                row[:bs].copy_(values)
         if padded > bs:
-            # Dummy rows: token 0 at position 0 of request row 0, one token long, writing the padding slot.
-            s.input_ids[bs:padded].zero_()
-            s.positions[bs:padded].zero_()
-            s.out_cache_loc[bs:padded].zero_()
+            self.inputs[:, bs:padded].copy_(self.padding[:, : padded - bs])
         graph, logits, static_batch = self.graphs[padded]
-        # The backend copies rows and lengths into its own static metadata (and pads them the same way).
+        # The backend refreshes its own static metadata (or, reading the static batch, has nothing to copy).
         self.runner.attention.init_forward_metadata_replay(batch, padded)
         graph.replay()
         return logits[:bs]

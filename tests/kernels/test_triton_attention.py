@@ -182,7 +182,7 @@ def padded(batch: ForwardBatch, size: int) -> ForwardBatch:
     )
 
 
-def test_graph_replay_with_padding_matches_eager():
+def test_graph_replay_reads_the_static_batch_the_runner_refills():
     case = Case(16, 64, 8, 2, None, torch.float32, torch.float32, num_splits=4)
     kv, context, layer = make_setup(case, seed=3)
     backend = triton_backend(context, case)
@@ -192,32 +192,35 @@ def test_graph_replay_with_padding_matches_eager():
 
     prefix_lens = [70, 3, 150]
     rows = fill_prefixes(kv, prefix_lens)
-    # Capture: the metadata points at the static buffers, which hold harmless placeholders until a replay.
-    capture_batch = padded(build_batch(kv, [kv.new_request()], [0], [[1]], DEVICE), graph_size)
-    backend.init_forward_metadata_capture(capture_batch)
+    # Capture: the metadata points at the graph runner's static batch, which holds harmless placeholders until the
+    # runner refills it before a replay.
+    static = padded(build_batch(kv, [kv.new_request()], [0], [[1]], DEVICE), graph_size)
+    backend.init_forward_metadata_capture(static)
     captured = backend._decode
+    assert captured.req_rows is static.req_pool_indices and captured.seq_lens is static.seq_lens
     q, k, v = qkv(case, graph_size)
-    assert torch.isfinite(backend.forward(q, torch.zeros_like(k), torch.zeros_like(v), layer, capture_batch)).all()
-    static_ptrs = [t.data_ptr() for t in (captured.req_rows, captured.seq_lens, captured.part_out, captured.part_lse)]
+    assert torch.isfinite(backend.forward(q, torch.zeros_like(k), torch.zeros_like(v), layer, static)).all()
 
     held = dict(zip(rows, prefix_lens, strict=True))
-    for step_rows in (rows, rows[1:]):  # a second, smaller replay must overwrite the first's metadata in place
+    for step_rows in (rows, rows[1:]):  # a second, smaller replay reads what the runner wrote over the first's
         lens = [held[row] for row in step_rows]
         batch = build_batch(kv, step_rows, lens, [[1]] * len(step_rows), DEVICE)
         held.update({row: n + 1 for row, n in zip(step_rows, lens, strict=True)})
         q, k, v = qkv(case, batch.batch_size)
         want = run(reference, q, k, v, layer, batch)
 
+        refilled = padded(batch, graph_size)  # what the graph runner writes into the static batch
+        static.req_pool_indices.copy_(refilled.req_pool_indices)
+        static.seq_lens.copy_(refilled.seq_lens)
         backend.init_forward_metadata_replay(batch, graph_size)
-        meta = backend._decode
-        assert [t.data_ptr() for t in (meta.req_rows, meta.seq_lens, meta.part_out, meta.part_lse)] == static_ptrs
+        assert backend._decode is captured
         num_pad = graph_size - batch.batch_size
-        assert meta.req_rows.tolist() == step_rows + [0] * num_pad
-        assert meta.seq_lens.tolist() == [n + 1 for n in lens] + [1] * num_pad
         q_pad, k_pad, v_pad = (torch.cat([t, torch.zeros(num_pad, t.shape[1], device=DEVICE)]) for t in (q, k, v))
-        got = backend.forward_decode(q_pad, k_pad, v_pad, layer, padded(batch, graph_size))
+        got = backend.forward_decode(q_pad, k_pad, v_pad, layer, refilled)
         assert torch.isfinite(got).all()
         assert_close(got[: batch.batch_size], want, case)
+    with pytest.raises(ValueError, match="no graph of batch size 4"):
+        backend.init_forward_metadata_replay(batch, 4)
 
 
 def test_registry_offers_triton_only_where_capabilities_say_so():

@@ -38,24 +38,14 @@ class _ExtendMetadata:
 
 @dataclasses.dataclass
 class _GraphBuffers:
-    """Static decode metadata for captured graphs, sized for the largest captured batch."""
+    """Static decode scratch for captured graphs, sized for the largest captured batch."""
 
-    req_rows: torch.Tensor
-    seq_lens: torch.Tensor
     part_out: torch.Tensor
     part_lse: torch.Tensor
 
     @property
     def max_batch_size(self) -> int:
-        return self.req_rows.shape[0]
-
-    def views(self, batch_size: int, num_splits: int) -> _DecodeMetadata:
-        return _DecodeMetadata(
-            self.req_rows[:batch_size],
-            self.seq_lens[:batch_size],
-            self.part_out[:batch_size, :, :num_splits],
-            self.part_lse[:batch_size, :, :num_splits],
-        )
+        return self.part_out.shape[0]
 
 
 class TritonAttention(AttentionBackend):
@@ -101,6 +91,7 @@ class TritonAttention(AttentionBackend):
         self._decode: _DecodeMetadata | None = None
         self._extend: _ExtendMetadata | None = None
         self._graph: _GraphBuffers | None = None
+        self._captured: dict[int, _DecodeMetadata] = {}  # each captured batch size's metadata
         # Eager decode scratch, grown to the largest batch seen and shared by every layer and step.
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -242,29 +233,25 @@ class TritonAttention(AttentionBackend):
     def init_graph_state(self, max_batch_size: int) -> None:
         ctx = self.context
         part_out, part_lse = partial_buffers(max_batch_size, ctx.num_heads, self.num_splits, ctx.head_dim, ctx.device)
-        self._graph = _GraphBuffers(
-            # Row 0 with one key until a replay fills them: a capture run reads valid, finite data.
-            req_rows=torch.zeros(max_batch_size, dtype=torch.int64, device=ctx.device),
-            seq_lens=torch.ones(max_batch_size, dtype=torch.int32, device=ctx.device),
-            part_out=part_out,
-            part_lse=part_lse,
-        )
+        self._graph = _GraphBuffers(part_out=part_out, part_lse=part_lse)
+        self._captured = {}
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        size = batch.batch_size
-        self._decode = self._graph_buffers(size).views(size, self.decode_splits(size))
+        # The kernels read the static batch's rows and lengths, which the graph runner refills and pads before
+        # every replay: a replay copies nothing.
+        size, splits = batch.batch_size, self.decode_splits(batch.batch_size)
+        graph = self._graph_buffers(size)
+        self._decode = _DecodeMetadata(
+            batch.req_pool_indices, batch.seq_lens, graph.part_out[:size, :, :splits], graph.part_lse[:size, :, :splits]
+        )
+        self._captured[size] = self._decode
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, padded_batch_size: int) -> None:
-        graph = self._graph_buffers(padded_batch_size)
-        batch_size = batch.batch_size
-        if batch_size > padded_batch_size:
-            raise ValueError(f"batch of {batch_size} requests replayed in a graph of {padded_batch_size}")
-        graph.req_rows[:batch_size].copy_(batch.req_pool_indices, non_blocking=True)
-        graph.seq_lens[:batch_size].copy_(batch.seq_lens, non_blocking=True)
-        # Padding rows read one key of row 0 (at worst the zeroed padding slot); their output is discarded.
-        graph.req_rows[batch_size:padded_batch_size].fill_(0)
-        graph.seq_lens[batch_size:padded_batch_size].fill_(1)
-        self._decode = graph.views(padded_batch_size, self.decode_splits(padded_batch_size))
+        if batch.batch_size > padded_batch_size:
+            raise ValueError(f"batch of {batch.batch_size} requests replayed in a graph of {padded_batch_size}")
+        if padded_batch_size not in self._captured:
+            raise ValueError(f"no graph of batch size {padded_batch_size} was captured")
+        self._decode = self._captured[padded_batch_size]
 
     def _graph_buffers(self, batch_size: int) -> _GraphBuffers:
         return self._checked_graph_state(self._graph, batch_size)
