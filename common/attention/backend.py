@@ -126,7 +126,6 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor: ...
 
     # --- graph hooks: a graph runner calls these (only on backends with supports_graph) ---
-
     def init_graph_state(self, max_batch_size: int) -> None:
         """Allocate the static metadata buffers captured graphs will read."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot run inside a captured graph")

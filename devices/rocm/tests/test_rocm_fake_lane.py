@@ -4,6 +4,8 @@ recorded HIP graphs, matching the same runner on torch_native and HF transformer
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,3 +63,25 @@ def test_a_bf16_runner_decodes_through_aiter_in_hip_graphs(fake_rocm, aiter, qwe
     assert sum(graph.replays for graph, _, _ in runner.graph_runner.graphs.values()) - replays == 9
     assert aiter.calls["paged_attention_ragged"] == calls
     assert aiter.calls["flash_attn_varlen_func"] > 0 and aiter.calls["rmsnorm2d_fwd_with_add"] > 0
+
+
+def test_a_graph_replay_fills_its_inputs_from_the_packed_copy_or_field_by_field(fake_rocm, aiter, qwen2):
+    """A decode batch straight from build_batch is copied in one go (its packed device ints); one whose fields were
+    replaced is copied field by field. Both replays equal the eager step on the same batch, padding included."""
+    runner = make_runner(fake_rocm, qwen2[0], max_running_requests=4, dtype="bfloat16")
+    rows = [runner.kv.new_request() for _ in PROMPTS]
+    runner.forward(build_batch(runner.kv, rows, [0] * 3, PROMPTS, runner.device))
+    lens = [len(p) for p in PROMPTS]
+    # 3 requests in the graph of 4, then 2 (new tokens, lengths and slots) in the graph of 2.
+    for step_rows, by_fields, token in ((rows, False, 5), (rows[1:], True, 9)):
+        step_lens = [lens[rows.index(r)] for r in step_rows]
+        batch = build_batch(runner.kv, step_rows, step_lens, [[token]] * len(step_rows), runner.device)
+        if by_fields:
+            batch = dataclasses.replace(batch, input_ids=batch.input_ids.clone(), positions=batch.positions.clone())
+        assert (batch.decode_inputs() is None) == by_fields
+        replays = sum(graph.replays for graph, _, _ in runner.graph_runner.graphs.values())
+        got = runner.forward(batch).float()
+        assert sum(graph.replays for graph, _, _ in runner.graph_runner.graphs.values()) == replays + 1
+        torch.testing.assert_close(got, runner.forward_eager(batch).float(), atol=2e-2, rtol=0)
+        for r in step_rows:
+            lens[rows.index(r)] += 1
