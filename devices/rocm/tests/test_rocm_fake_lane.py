@@ -85,3 +85,28 @@ def test_a_graph_replay_fills_its_inputs_from_the_packed_copy_or_field_by_field(
         torch.testing.assert_close(got, runner.forward_eager(batch).float(), atol=2e-2, rtol=0)
         for r in step_rows:
             lens[rows.index(r)] += 1
+
+
+def test_a_smaller_batch_in_a_graph_pads_its_rows_rather_than_replaying_stale_ones(fake_rocm, aiter, qwen2):
+    """After 4 requests filled a graph of 4, 3 requests replay it: the fourth row must be the dummy request, not the
+    last one's inputs, whose slot a new request may own by now (the allocator hands freed pages out first)."""
+    root = qwen2[0]
+    runners = [
+        make_runner(fake_rocm, root, max_running_requests=4, dtype="bfloat16"),
+        make_runner(fake_rocm, root, max_running_requests=4, dtype="bfloat16", disable_graph=True),
+    ]
+    prompts = [*PROMPTS, [7, 8, 9, 10]]
+    last_logits = []
+    for runner in runners:  # the same steps on both: slots come out the same
+        kv = runner.kv
+        rows = [kv.new_request() for _ in prompts]
+        lens = [len(p) for p in prompts]
+        runner.forward(build_batch(kv, rows, [0] * 4, prompts, runner.device))
+        runner.forward(build_batch(kv, rows, lens, [[5]] * 4, runner.device))  # the graph of 4, full
+        kv.release(rows[3])  # its 5 slots, the newest one included, go back on top of the free list
+        new_row = kv.new_request()
+        runner.forward(build_batch(kv, [new_row], [0], [[3, 1, 4, 1, 5]], runner.device))  # takes those slots
+        runner.forward(build_batch(kv, rows[:3], [n + 1 for n in lens[:3]], [[6]] * 3, runner.device))  # 3 of 4
+        last_logits.append(runner.forward(build_batch(kv, [new_row], [5], [[2]], runner.device)).float())
+    assert runners[0].graph_runner is not None and runners[1].graph_runner is None
+    torch.testing.assert_close(last_logits[0], last_logits[1], atol=2e-2, rtol=0)
