@@ -176,7 +176,7 @@ class DecodeGraphRunner:
                 row[:bs].copy_(values)
         if padded > bs:
             self.inputs[:, bs:padded].copy_(self.padding[:, : padded - bs])
-        graph, logits, static_batch = self.graphs[padded]
+        graph, logits, _ = self.graphs[padded]
         # The backend refreshes its own static metadata (or, reading the static batch, has nothing to copy).
         self.runner.attention.init_forward_metadata_replay(batch, padded)
         graph.replay()
