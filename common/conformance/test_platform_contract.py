@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from omnirun.distributed import init_distributed, plan_world
 from omnirun.layers import native_ops
-from omnirun.layers.ops import HINT_OPS, OP_NAMES, resolve_ops
+from omnirun.layers.ops import OP_NAMES, resolve_ops
 from omnirun.platform import Capabilities
 from omnirun.registry import default_registry
 
@@ -182,26 +182,6 @@ def test_attention_backends(platform, mode):
     assert platform.default_attention_backend(mode) in offered
 
 
-def test_hint_ops_return_nothing_and_change_no_tensor(platform):
-    """A platform's prefetch hints, called as the decoder calls them (a forward pass of 1 and of 64 tokens, a weight
-    that cannot be prefetched whole, one not contiguous), compute nothing: the weights keep their values."""
-    fused = dict(platform.fused_ops())
-    prefetch = fused.get("prefetch_weights", native_ops.prefetch_weights)
-    join = fused.get("join_prefetches", native_ops.join_prefetches)
-    gen = torch.Generator().manual_seed(0)
-    dtype = platform.capabilities.model_dtypes[0]
-    weights = [torch.randn(shape, generator=gen).to(platform.device(), dtype) for shape in [(256, 128), (3, 7)]]
-    weights.append(torch.randn(64, 96, generator=gen).to(platform.device(), dtype).t())
-    before = [w.cpu() for w in weights]
-    for num_tokens in (1, 64):
-        assert prefetch(tuple(weights), num_tokens) is None
-        assert join() is None
-    assert join() is None  # nothing started since: a no-op
-    platform.synchronize()
-    for w, b in zip(weights, before, strict=True):
-        assert torch.equal(w.cpu(), b)
-
-
 def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict) -> tuple:
     """Arguments for one op of the table, as the layers pass them (a Qwen-like head size, 5 tokens)."""
     gen = torch.Generator().manual_seed(len(name))
@@ -239,8 +219,8 @@ def test_fused_ops_match_the_torch_native_references(platform):
     for dtype in platform.capabilities.model_dtypes:
         tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
         for name, op in fused.items():
-            if name == "prepare_linear" or name in HINT_OPS:
-                continue  # linear checks what prepare_linear made; the hints below
+            if name == "prepare_linear":
+                continue  # checked through linear, which takes what it prepared
             args = _op_inputs(name, dtype, device, fused)
             reference_args = args[:-1] + (None,) if name == "linear" else args
             # The reference first, on copies: a fused op may work in place (triton's add_rms_norm writes its inputs).

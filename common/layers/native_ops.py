@@ -6,7 +6,6 @@ matches HF to the last bit in bf16, and every fused kernel is checked against th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,15 +20,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pre
 def prepare_linear(weight: torch.Tensor) -> Any:
     """A device-preferred form of a linear weight, made once after loading (None: use the weight as it is)."""
     return None
-
-
-def prefetch_weights(weights: Sequence[torch.Tensor], num_tokens: int) -> None:
-    """A hint that `weights` are read next, by a batch of `num_tokens` tokens: a platform may start bringing them
-    into its cache while the kernels before them run. Nothing to do here."""
-
-
-def join_prefetches() -> None:
-    """Wait for the prefetches `prefetch_weights` started (called once at the end of a forward pass)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,15 +19,9 @@ class Ops:
     silu_and_mul: Callable[..., Any] = native_ops.silu_and_mul
     rotary_embedding: Callable[..., Any] = native_ops.rotary_embedding
     argmax: Callable[..., Any] = native_ops.argmax  # greedy sampling's pick (the sampler's, not a layer's)
-    # Hints with no result: read weights into the device's cache behind the kernels that follow, and (at the end of
-    # a forward pass) wait for what was started.
-    prefetch_weights: Callable[..., Any] = native_ops.prefetch_weights
-    join_prefetches: Callable[..., Any] = native_ops.join_prefetches
 
 
 OP_NAMES = tuple(field.name for field in dataclasses.fields(Ops))
-# Ops that compute nothing (they return None and change no tensor): checked as such, not against a reference.
-HINT_OPS = ("prefetch_weights", "join_prefetches")
 
 
 def resolve_ops(fused: Mapping[str, Callable[..., Any]]) -> Ops:

@@ -52,7 +52,6 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops=ops, dtype=dtype)
             self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops=ops, dtype=dtype)
         self.qk_norm = shape.qk_norm
-        self.ops = ops
         self.rotary = rotary
         self.attn = PagedAttention(
             AttentionLayerSpec(
@@ -66,16 +65,9 @@ class SelfAttention(nn.Module):
         )
 
     def forward(
-        self,
-        rotary: Rotary,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        backend: AttentionBackend,
-        weights_after: tuple[torch.Tensor, ...] = (),
+        self, rotary: Rotary, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # A small batch's attention leaves memory idle: the platform may read the next matmuls' weights meanwhile.
-        self.ops.prefetch_weights((self.o_proj.weight, *weights_after), hidden.shape[0])
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
@@ -128,7 +120,7 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rotary, hidden, batch, backend, (self.mlp.gate_up_proj.weight,))
+        hidden = self.self_attn(rotary, hidden, batch, backend)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -151,7 +143,6 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
         self.rotary = rotary  # the layers' shared table
-        self.ops = ops
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
@@ -159,7 +150,6 @@ class DecoderModel(nn.Module):
         rotary = self.rotary.at(batch.positions)
         for layer in self.layers:
             hidden, residual = layer(rotary, hidden, residual, batch, backend)
-        self.ops.join_prefetches()
         if residual is None:  # a model without layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]

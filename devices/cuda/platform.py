@@ -26,11 +26,8 @@ BF16_MIN_SM = (8, 0)  # Ampere: bf16 tensor cores; older GPUs only emulate bf16,
 FP8_MIN_SM = (8, 9)  # Ada and Hopper: fp8 tensor cores
 TRITON_MIN_SM = (7, 5)  # Turing: the oldest GPUs current triton releases still compile for
 PDL_MIN_SM = (9, 0)  # Hopper: programmatic dependent launch (griddepcontrol)
-BULK_PREFETCH_MIN_SM = (9, 0)  # Hopper: cp.async.bulk.prefetch.L2
 # "0" launches the Triton kernels without programmatic dependent launch (to compare, or to rule it out).
 PDL_ENV = "OMNIRUN_CUDA_PDL"
-# "0" turns off the L2 weight prefetch of small batches (to compare, or to rule it out).
-L2_PREFETCH_ENV = "OMNIRUN_CUDA_L2_PREFETCH"
 
 FLASHINFER = "flashinfer"
 
@@ -122,21 +119,7 @@ class CudaPlatform(Platform):
 
         pdl = self.uses_pdl()
         own = {**skinny_linear_ops(pdl=pdl), "argmax": TritonArgmax(pdl=pdl)}
-        if self.uses_l2_prefetch():
-            from omnirun.devices.cuda.weight_prefetch import L2WeightPrefetch
-
-            prefetch = L2WeightPrefetch()
-            own.update(prefetch_weights=prefetch.prefetch_weights, join_prefetches=prefetch.join_prefetches)
         return {**(triton_fused_ops(pdl=True) if pdl else {}), **own}
-
-    def uses_l2_prefetch(self) -> bool:
-        """Whether small batches read their next weights into L2 on a side stream (`weight_prefetch`): with the
-        Triton kernels on Hopper and later (the bulk prefetch is sm_90's), unless OMNIRUN_CUDA_L2_PREFETCH=0."""
-        if not offers_triton(self.capabilities) or os.environ.get(L2_PREFETCH_ENV, "1") == "0":
-            return False
-        if not torch.cuda.is_available():
-            return False
-        return tuple(torch.cuda.get_device_capability(self.current_device())) >= BULK_PREFETCH_MIN_SM
 
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()
