@@ -41,8 +41,10 @@ class ForwardBatch:
     input_ids_pending: bool = False
     # What the batch was built from, on the host: the step's message to the other ranks of a tensor-parallel group.
     host: HostBatch | None = None
-    # The device copy of `host.ints`, of which input_ids, positions, out_cache_loc and req_pool_indices are views.
+    # The device copy of `host.ints`, of which input_ids, positions, out_cache_loc and req_pool_indices are views,
+    # and the seq_lens cast from it (so that a batch whose seq_lens was replaced since is seen not to match it).
     device_ints: torch.Tensor | None = None
+    device_ints_seq_lens: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -63,7 +65,7 @@ class ForwardBatch:
         views = (self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices)
         if any(t.data_ptr() != row.data_ptr() for t, row in zip(views, rows[:4], strict=True)):
             return None
-        return rows
+        return rows if self.seq_lens is self.device_ints_seq_lens else None
 
     @classmethod
     def idle(cls, device: torch.device) -> ForwardBatch:
@@ -101,12 +103,13 @@ class HostBatch:
         tokens = (self.ints.numel() - 2 * n) // 3
         device_ints = self.ints.to(device, non_blocking=True)
         input_ids, positions, out_loc, rows, seq_lens = device_ints.split([tokens, tokens, tokens, n, n])
+        seq_lens = seq_lens.int()
         return ForwardBatch(
             mode=self.mode,
             input_ids=input_ids,
             positions=positions,
             req_pool_indices=rows,
-            seq_lens=seq_lens.int(),
+            seq_lens=seq_lens,
             out_cache_loc=out_loc,
             seq_lens_cpu=self.ints[3 * tokens + n :].int(),
             extend_prefix_lens_cpu=self.extend_prefix_lens_cpu,
@@ -115,6 +118,7 @@ class HostBatch:
             input_ids_pending=self.input_ids_pending,
             host=self,
             device_ints=device_ints,
+            device_ints_seq_lens=seq_lens,
         )
 
 

@@ -38,5 +38,6 @@ def test_a_batch_whose_inputs_are_not_the_packed_views_has_none():
     assert batch.decode_inputs() is not None
     # A replaced field (out of place), a prefill, a batch built by hand: the packed copy would be stale or absent.
     assert dataclasses.replace(batch, input_ids=batch.input_ids + 1).decode_inputs() is None
+    assert dataclasses.replace(batch, seq_lens=batch.seq_lens + 1).decode_inputs() is None  # row 4 would be stale
     assert dataclasses.replace(batch, device_ints=None).decode_inputs() is None
     assert build_batch(kv, rows, [1], [[2, 3]], CPU).decode_inputs() is None
