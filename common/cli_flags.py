@@ -53,10 +53,16 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="recompute every prompt (default: requests share the KV pages of prefixes computed before)",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="batch-invariant kernels: the same prompt and sampling params give the same tokens whatever else runs",
+    )
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flags the user gave (unset ones are left to the defaults), as LLM keyword arguments."""
-    flags = ["disable_graph", "disable_overlap_schedule", "disable_prefix_caching"]
+    flags = ["disable_graph", "disable_overlap_schedule", "disable_prefix_caching", "deterministic"]
     names = ["device", "dtype", "load_format", *flags] + [f.lstrip("-").replace("-", "_") for f, _, _ in _VALUE_FLAGS]
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

@@ -48,6 +48,9 @@ class RunnerConfig:
     device_index: int = 0
     # Show tqdm progress bars for loading and capture.
     progress: bool = True
+    # Batch-invariant kernels: a request's tokens do not depend on what else is in its batch, on prefix-cache hits,
+    # on how its prefill was chunked, or on graphs vs eager (SGLang's --enable-deterministic-inference).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -1,8 +1,8 @@
 """(Re)create the tiny default model that `omnirun generate` runs when no --model is given.
 
 Everything is made offline and deterministically: a byte-level BPE tokenizer trained on the small corpus below,
-and a 4-layer Llama with random (seeded) weights. Its text is nonsense; it exists so a fresh install can run
-end to end without downloading anything.
+and a 4-layer Llama with random weights (our own seeded draws). Its text is nonsense; it exists so a fresh install
+can run end to end without downloading anything.
 
     python tools/make_default_model.py            # writes common/assets/default_model/
     python tools/make_default_model.py --out DIR  # writes DIR instead (used by the determinism test)
@@ -92,7 +92,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
-    """A 4-layer Llama sized for the tokenizer, with weights from torch.manual_seed(0), cast to bfloat16."""
+    """A 4-layer Llama sized for the tokenizer, with seeded random weights, cast to bfloat16."""
     config = LlamaConfig(
         hidden_size=128,
         intermediate_size=256,
@@ -107,8 +107,15 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
         architectures=["LlamaForCausalLM"],
         dtype="float32",
     )
-    torch.manual_seed(0)
     model = LlamaForCausalLM(config)
+    # Our own seeded draws, one generator per tensor in name order, not transformers' init: the shipped weights then
+    # do not change when a transformers release changes how it initialises (the test regenerates them). Norm
+    # weights scatter around one, so a wrong norm shows.
+    with torch.no_grad():
+        for index, (name, param) in enumerate(sorted(model.named_parameters())):
+            draw = torch.Generator().manual_seed(index)
+            noise = torch.randn(param.shape, generator=draw, dtype=torch.float32)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.02 * noise)
     # ~656k parameters: float32 would be ~2.6 MB, bfloat16 keeps the shipped directory near 1.3 MB.
     return model.to(torch.bfloat16)
 
@@ -121,7 +128,7 @@ def write_readme(out: Path, tokenizer: PreTrainedTokenizerFast) -> None:
         f"- Llama architecture: 4 layers, hidden size 128, 4 attention heads (2 KV heads), "
         f"vocabulary {len(tokenizer)}, "
         "tied embeddings, bfloat16 weights.\n"
-        "- The weights are random (`torch.manual_seed(0)`): the text it generates is nonsense. That is expected.\n"
+        "- The weights are random (seeded normal draws, one generator per tensor): the text it generates is nonsense.\n"
         "- The tokenizer is a byte-level BPE trained on a few paragraphs written for this project.\n"
         "- `chat_template.jinja` is a small ChatML-like chat template (`<s>role\\ncontent</s>` per turn).\n\n"
         "Made by `python tools/make_default_model.py` (deterministic: running it again gives the same files).\n"
