@@ -215,7 +215,11 @@ class Platform:
         return DecodeGraphRunner(runner, api, max_batch_size=max_batch_size)
 
     def decode_attention_backend(self, runner: Any) -> str:
-        """The decode backend `runner` builds: the user's choice, else this platform's default for its dtype."""
+        """The decode backend `runner` builds: the runner's choice once made (it alone applies --deterministic),
+        else the user's flag, else this platform's default for its dtype."""
+        choice = getattr(runner, "attention_choice", None)
+        if choice is not None:
+            return choice[1]
         config = runner.config
         return (
             config.decode_attention_backend
@@ -270,16 +274,20 @@ class Platform:
     def attention_backends(self) -> tuple[str, ...]:
         """Attention backends this device offers, best first: its own, then the portable ones it can run (or,
         with `own_attention_backends_first` False, the portable GPU ones first). torch_native runs everywhere and
-        comes last."""
+        comes after them, and batch_invariant (slow; on request, or in deterministic mode where nothing better
+        is batch-invariant) last."""
+        from omnirun.attention.batch_invariant import BatchInvariantAttention
         from omnirun.attention.registry import portable_backends
         from omnirun.attention.torch_native import TorchNativeAttention
 
         own = tuple(self.attention_backend_factories())
         portable = tuple(name for name in portable_backends(self.capabilities) if name not in own)
+        last = () if BatchInvariantAttention.name in own else (BatchInvariantAttention.name,)
         if self.own_attention_backends_first:
-            return own + portable
+            return own + portable + last
         reference = TorchNativeAttention.name
-        return tuple(n for n in portable if n != reference) + own + tuple(n for n in portable if n == reference)
+        ordered = tuple(n for n in portable if n != reference) + own + tuple(n for n in portable if n == reference)
+        return ordered + last
 
     def default_attention_backend(self, mode: AttentionMode) -> str:
         """The backend used for prefill or decode when the user names none."""

@@ -34,6 +34,9 @@ class AttentionContext:
     num_kv_heads: int
     head_dim: int
     max_context_len: int
+    # Deterministic inference: a backend that declares `batch_invariant` must then compute each query the same
+    # way whatever else is in the batch, however its prefill was chunked and whether its prefix came from cache.
+    deterministic: bool = False
 
 
 def require_half_precision(context: AttentionContext, backend: str, kernels: str = "") -> None:
@@ -84,6 +87,8 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str]
     # True when the metadata for DECODE can live in static buffers a captured graph replays.
     supports_graph: ClassVar[bool] = False
+    # True when the backend honours `AttentionContext.deterministic` (the only backends deterministic mode builds).
+    batch_invariant: ClassVar[bool] = False
 
     def __init__(self, context: AttentionContext):
         self.context = context

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from omnirun.attention.backend import AttentionBackend, AttentionContext
+from omnirun.attention.batch_invariant import BatchInvariantAttention
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.errors import ConfigError
 from omnirun.kernels import offers_triton
@@ -25,8 +27,16 @@ def _build_triton(context: AttentionContext) -> AttentionBackend:
     return TritonAttention(context)
 
 
+_build_triton.batch_invariant = True  # TritonAttention honours AttentionContext.deterministic
+
+
 # Portable backends: torch_native runs everywhere; triton is offered by the kernels' gate (omnirun.kernels).
-BUILTIN_BACKENDS: dict[str, BackendFactory] = {TorchNativeAttention.name: TorchNativeAttention, TRITON: _build_triton}
+# batch_invariant runs everywhere too, on request or in deterministic mode (see Platform.attention_backends).
+BUILTIN_BACKENDS: dict[str, BackendFactory] = {
+    TorchNativeAttention.name: TorchNativeAttention,
+    TRITON: _build_triton,
+    BatchInvariantAttention.name: BatchInvariantAttention,
+}
 
 
 def portable_backends(capabilities: Capabilities) -> tuple[str, ...]:
@@ -43,6 +53,15 @@ def factory_supports_graph(factory: BackendFactory) -> bool:
     capturable: the graph runner asks the built backend again before it captures and runs eagerly if it cannot."""
     flag = getattr(factory, "supports_graph", True)
     return flag if isinstance(flag, bool) else True
+
+
+def factory_batch_invariant(factory: BackendFactory | None) -> bool:
+    """Whether the backend `factory` builds honours deterministic mode: the `batch_invariant` flag of a backend
+    class, or of a factory function (or the function a functools.partial wraps) that carries one."""
+    flag = getattr(factory, "batch_invariant", None)
+    if flag is None and isinstance(factory, functools.partial):
+        flag = getattr(factory.func, "batch_invariant", None)
+    return flag is True
 
 
 def attention_factories(platform_factories: Mapping[str, BackendFactory]) -> dict[str, BackendFactory]:

@@ -6,6 +6,7 @@ matches HF to the last bit in bf16, and every fused kernel is checked against th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +16,34 @@ import torch.nn.functional as F
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: Any = None) -> torch.Tensor:
     """x W^T + b. `prepared` is what the platform's `prepare_linear` made of the weight (unused here)."""
     return F.linear(x, weight, bias)
+
+
+# Rows per call of the batch-invariant linear: every matmul it runs has this many rows.
+INVARIANT_ROWS = 32
+
+
+def batch_invariant_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    prepared: Any = None,
+    *,
+    block_linear: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x W^T + b computed INVARIANT_ROWS rows at a time (the last block padded with zeros), so that each row's
+    result does not depend on how many rows came with it: a GEMM library picks its kernel, tiles and split of K by
+    the problem's shape (torch's float32 CPU matmul changes kernel below ~8 rows), and here the shape never
+    changes. Within one shape a GEMM reduces every row alike, wherever it sits. `block_linear` computes each
+    block (default: `linear` above; deterministic mode passes the platform's own, which reads `prepared`)."""
+    block_linear = block_linear or linear
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    padding = -count % INVARIANT_ROWS
+    if padding:
+        rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
+    blocks = [block_linear(block, weight, bias, prepared) for block in rows.split(INVARIANT_ROWS)]
+    out = torch.cat(blocks)[:count] if blocks else rows.new_empty(0, weight.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def prepare_linear(weight: torch.Tensor) -> Any:

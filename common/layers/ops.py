@@ -4,6 +4,7 @@ else the torch-native reference."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,9 +20,22 @@ class Ops:
     silu_and_mul: Callable[..., Any] = native_ops.silu_and_mul
     rotary_embedding: Callable[..., Any] = native_ops.rotary_embedding
     argmax: Callable[..., Any] = native_ops.argmax  # greedy sampling's pick (the sampler's, not a layer's)
+    # Deterministic mode's linear: each row's result independent of the row count (see layers/batch_invariant.py).
+    batch_invariant_linear: Callable[..., Any] = native_ops.batch_invariant_linear
 
 
 OP_NAMES = tuple(field.name for field in dataclasses.fields(Ops))
+
+
+def deterministic_ops(ops: Ops) -> Ops:
+    """The table deterministic mode runs: linear layers whose rows do not depend on the batch. The platform's own
+    `batch_invariant_linear` where it offers one (it reads plain weights), else the reference, which runs the
+    platform's linear on fixed-size blocks of rows. Norms, activations, rotary and argmax reduce within a row and
+    stay as they are."""
+    if ops.batch_invariant_linear is not native_ops.batch_invariant_linear:
+        return dataclasses.replace(ops, linear=ops.batch_invariant_linear, prepare_linear=native_ops.prepare_linear)
+    blocks = functools.partial(native_ops.batch_invariant_linear, block_linear=ops.linear)
+    return dataclasses.replace(ops, linear=blocks)
 
 
 def resolve_ops(fused: Mapping[str, Callable[..., Any]]) -> Ops:

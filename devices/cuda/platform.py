@@ -46,6 +46,9 @@ def _build_triton(context: Any, pdl: bool) -> Any:
     return TritonAttention(context, decode_num_stages=3, pdl=pdl)
 
 
+_build_triton.batch_invariant = True  # TritonAttention honours AttentionContext.deterministic
+
+
 def _build_flashinfer(context: Any) -> Any:
     from omnirun.devices.cuda.flashinfer_backend import FlashInferAttention  # imports flashinfer: only when chosen
 

@@ -62,6 +62,9 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     supports_graph = True
+    # Deterministic mode: one decode split (each request's keys in one pass from position 0, whatever the batch
+    # size) and the extend kernel's aligned walk (chunking and cached prefixes do not move block boundaries).
+    batch_invariant = True
     # (request, KV head, split) programs enough to keep a large GPU busy: about two per SM of an H200's 132. Swept
     # there (bench/decode_tuning.py, bench/results_h200_decode_tuning.json), 32 requests of 8 KV heads ran fastest
     # in one split at 192-2,048 tokens (13.3 against 18.0 us a layer with 4 splits at 192), and one request in 16.
@@ -82,12 +85,12 @@ class TritonAttention(AttentionBackend):
         super().__init__(context)
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-        self.num_splits = num_splits
+        self.num_splits = 1 if context.deterministic else num_splits
         self.pdl = pdl
         self._decode_launch = dict(
             block_n=decode_block_n, num_warps=decode_num_warps, num_stages=decode_num_stages, pdl=pdl
         )
-        self._extend_launch = {"block_m": extend_block_m, "block_n": extend_block_n}
+        self._extend_launch = {"block_m": extend_block_m, "block_n": extend_block_n, "aligned": context.deterministic}
         self._decode: _DecodeMetadata | None = None
         self._extend: _ExtendMetadata | None = None
         self._graph: _GraphBuffers | None = None

@@ -3,7 +3,8 @@
 One program per (request, query head, block of BLOCK_M new tokens). The new tokens are already in the KV cache
 (the backend stores them first), so all keys are read through the request-to-token table. A program walks the keys
 in two phases: those before its first query position, which every query of the block sees (no causal mask), then
-the diagonal blocks up to its last query position, with the causal mask. Blocks wholly before the sliding window of
+the diagonal blocks up to its last query position, with the causal mask (with `aligned`, one masked walk over
+blocks counted from position 0 instead: deterministic mode). Blocks wholly before the sliding window of
 the block's first query are skipped. Online softmax in float32, base 2 (see decode.py).
 """
 
@@ -14,6 +15,28 @@ import triton
 import triton.language as tl
 
 from omnirun.kernels.triton.decode import LOG2E, dot_dtype, head_block, online_softmax_block
+
+
+@triton.jit
+def _key_block(
+    q, start, end, table_row, k_head, v_head, stride_ks, stride_vs, offs_d, mask_d, q_pos, window,
+    acc, l_i, m_i, scale_log2,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, Q_TY: tl.constexpr, DOT_TY: tl.constexpr,
+):  # fmt: skip
+    """Keys start..start+BLOCK_N-1 (those before `end`) through the request's table row, into the online softmax;
+    CAUSAL masks keys past each query's position, USE_WINDOW those before its window."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    mask = mask_n[None, :]
+    if CAUSAL:
+        mask = mask & (offs_n[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        mask = mask & (offs_n[None, :] > q_pos[:, None] - window)
+    return online_softmax_block(q, k, v, mask, acc, l_i, m_i, scale_log2, Q_TY, DOT_TY)
 
 
 @triton.jit
@@ -44,6 +67,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    ALIGNED: tl.constexpr,
     DOT_TY: tl.constexpr,
 ):
     req = tl.program_id(0)
@@ -79,31 +103,28 @@ def _extend_kernel(
     if USE_WINDOW:
         lo = tl.maximum(first_q - window + 1, 0)
 
-    # Phase 1: keys before the block's first query; only the window (and the phase's end) masks them.
-    for start in range(lo, first_q, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < first_q
-        slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        mask = mask_n[None, :]
-        if USE_WINDOW:
-            mask = mask & (offs_n[None, :] > q_pos[:, None] - window)
-        acc, l_i, m_i = online_softmax_block(q, k, v, mask, acc, l_i, m_i, scale_log2, Q_TY, DOT_TY)
-
-    # Phase 2: the diagonal, keys from the first query's position up to the last one's, causally masked.
-    for start in range(first_q, last_q_end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < last_q_end
-        slots = tl.load(table_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_head + slots[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + slots[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        mask = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            mask = mask & (offs_n[None, :] > q_pos[:, None] - window)
-        acc, l_i, m_i = online_softmax_block(q, k, v, mask, acc, l_i, m_i, scale_log2, Q_TY, DOT_TY)
+    if ALIGNED:
+        # Deterministic mode: one causally masked walk over key blocks counted from position 0, so a query meets
+        # the same blocks (the same reduction order) however its prompt was chunked or cached. A block wholly
+        # masked for a query leaves its state exactly as it was (alpha 1, p 0), so the tile's extent is harmless.
+        for start in range((lo // BLOCK_N) * BLOCK_N, last_q_end, BLOCK_N):
+            acc, l_i, m_i = _key_block(
+                q, start, last_q_end, table_row, k_head, v_head, stride_ks, stride_vs, offs_d, mask_d, q_pos, window,
+                acc, l_i, m_i, scale_log2, True, USE_WINDOW, BLOCK_N, Q_TY, DOT_TY,
+            )  # fmt: skip
+    else:
+        # Phase 1: keys before the block's first query; only the window (and the phase's end) masks them.
+        for start in range(lo, first_q, BLOCK_N):
+            acc, l_i, m_i = _key_block(
+                q, start, first_q, table_row, k_head, v_head, stride_ks, stride_vs, offs_d, mask_d, q_pos, window,
+                acc, l_i, m_i, scale_log2, False, USE_WINDOW, BLOCK_N, Q_TY, DOT_TY,
+            )  # fmt: skip
+        # Phase 2: the diagonal, keys from the first query's position up to the last one's, causally masked.
+        for start in range(first_q, last_q_end, BLOCK_N):
+            acc, l_i, m_i = _key_block(
+                q, start, last_q_end, table_row, k_head, v_head, stride_ks, stride_vs, offs_d, mask_d, q_pos, window,
+                acc, l_i, m_i, scale_log2, True, USE_WINDOW, BLOCK_N, Q_TY, DOT_TY,
+            )  # fmt: skip
 
     # Every real query sees at least itself, so l_i > 0 on the rows that are stored.
     l_div = tl.where(l_i > 0.0, l_i, 1.0)
@@ -140,6 +161,7 @@ def extend_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 1,
+    aligned: bool = False,
 ) -> None:
     """Causal attention of each request's new tokens over its cached prefix and themselves, written into `out`.
 
@@ -147,6 +169,8 @@ def extend_attention(
     kv_heads, head_dim] in the storage dtype, already holding the new tokens; req_to_token: int32 [rows,
     max_context_len]. Per request, on q's device: req_rows (table row), q_starts (first token in q), extend_lens
     (new tokens), prefix_lens (tokens cached before them). max_extend_len: the largest extend len (a host int).
+    aligned: walk the keys in blocks counted from position 0 (deterministic mode: chunking and prefix caching do
+    not change a query's result).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -189,6 +213,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         USE_WINDOW=use_window,
+        ALIGNED=aligned,
         DOT_TY=dot_dtype(q.dtype),
         num_warps=num_warps or default_warps,
         num_stages=num_stages,

@@ -413,4 +413,8 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
         "silu_and_mul": silu_and_mul,
         "rotary_embedding": rotary_embedding,
     }
-    return {name: functools.partial(op, pdl=True) for name, op in ops.items()} if pdl else ops
+    if pdl:
+        ops = {name: functools.partial(op, pdl=True) for name, op in ops.items()}
+    from omnirun.kernels.triton.matmul import batch_invariant_linear  # deterministic mode's linear layers
+
+    return {**ops, "batch_invariant_linear": batch_invariant_linear}
