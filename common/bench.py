@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -48,6 +49,7 @@ def run_bench(
     params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
     if warmup:  # first calls pay one-time costs (allocator growth, kernel selection, weight packing)
         # (another seed, so the measured run finds none of its prompts' prefixes cached)
+        _status(f"warming up ({min(batch_size, num_prompts)} prompts)")
         warmup_prompts = random_prompts(min(batch_size, num_prompts), input_len, vocab, seed + 1, shared_prefix_len)
         llm.generate(warmup_prompts, params, use_tqdm=False)
     engine.scheduler.max_running_requests = batch_size  # (the engine thread is idle between generate calls)
@@ -72,6 +74,8 @@ def run_bench(
         shape.num_layers, shape.num_kv_heads, shape.head_dim, runner.kv_cache_dtype
     )
     step_bytes = runner.weight_bytes_per_step() + kv_tokens * kv_bytes_per_token
+    # Seconds of silence otherwise, after the progress bar has finished.
+    _status("measuring the memory bandwidth (large copies and sums: seconds)")
     bandwidth = measure_bandwidth(runner.platform, runner.device)
     return {
         "model": runner.config.model,
@@ -103,23 +107,41 @@ def run_bench(
     }
 
 
+def _status(text: str) -> None:
+    """Say what the bench does while it prints nothing else (stderr: stdout carries the results)."""
+    print(f"omnirun bench: {text} ...", file=sys.stderr, flush=True)
+
+
+def _row(label: str, value: str, rest: str = "") -> str:
+    """One aligned row of the table: label, value right-aligned in its column, then unit and notes."""
+    return f"  {label:<19}{value:>10}  {rest}".rstrip()
+
+
 def format_result(r: dict[str, Any]) -> str:
     prompt = f"({r['shared_prefix_len']} shared + {r['input_len']})" if r["shared_prefix_len"] else r["input_len"]
-    cache = "on" if r["prefix_caching"] else "off"
+    if r["prefix_caching"]:
+        cache = f"{r['prefix_cache_hit_rate']:.1%}"
+        cache_rest = (
+            f"hit rate: {r['prefill_tokens_cached']} prompt tokens cached, {r['prefill_tokens_computed']} computed"
+        )
+    else:
+        cache, cache_rest = "off", f"{r['prefill_tokens_computed']} prompt tokens computed"
     return "\n".join(
         [
             f"{r['model']} on {r['device']} ({r['device_name']}), {r['dtype']}, attention {r['attention']}, "
             f"{r['graph_runner']}",
             f"batch {r['batch_size']}, {r['num_prompts']} prompts x {prompt} tokens -> {r['output_len']} new",
-            f"  output throughput  {r['output_tokens_per_s']:10.1f} tok/s   ({r['total_s']:.2f} s)",
-            f"  TTFT (mean)        {r['ttft_ms_mean']:10.2f} ms",
-            f"  TPOT (mean)        {r['tpot_ms_mean']:10.2f} ms",
-            f"  decode step        {r['decode_step_ms_median']:10.2f} ms  (median at full batch)",
-            f"  bytes per step     {r['decode_step_bytes'] / 1e9:10.3f} GB  (weights + KV read)",
-            f"  bandwidth          {r['copy_GBps']:10.1f} GB/s copy, {r['read_GBps']:.1f} GB/s read",
-            f"  roofline fraction  {r['roofline_fraction_copy_bw']:10.1%}  of copy bandwidth "
-            f"({r['roofline_fraction_read_bw']:.1%} of read bandwidth)",
-            f"  prefix cache {cache:>3}   {r['prefill_tokens_cached']:10d} prompt tokens cached, "
-            f"{r['prefill_tokens_computed']} computed (hit rate {r['prefix_cache_hit_rate']:.1%})",
+            _row("output throughput", f"{r['output_tokens_per_s']:.1f}", f"tok/s  ({r['total_s']:.2f} s)"),
+            _row("TTFT (mean)", f"{r['ttft_ms_mean']:.2f}", "ms"),
+            _row("TPOT (mean)", f"{r['tpot_ms_mean']:.2f}", "ms"),
+            _row("decode step", f"{r['decode_step_ms_median']:.2f}", "ms  (median at full batch)"),
+            _row("bytes per step", f"{r['decode_step_bytes'] / 1e9:.3f}", "GB  (weights + KV read)"),
+            _row("bandwidth", f"{r['copy_GBps']:.1f}", f"GB/s copy, {r['read_GBps']:.1f} GB/s read"),
+            _row(
+                "roofline fraction",
+                f"{r['roofline_fraction_copy_bw']:.1%}",
+                f"of copy bandwidth ({r['roofline_fraction_read_bw']:.1%} of read bandwidth)",
+            ),
+            _row("prefix cache", cache, cache_rest),
         ]
     )

@@ -59,11 +59,15 @@ def _model_and_device(args: argparse.Namespace) -> str:
     from omnirun.registry import select_platform
 
     select_platform(args.device)
-    if args.model is not None:
-        return args.model
-    from omnirun.assets.default_model import default_model_dir
+    if args.model is None:
+        from omnirun.assets.default_model import default_model_dir
 
-    return default_model_dir()
+        return default_model_dir()
+    from omnirun.loader import load_model_config
+
+    # A missing model directory (or config.json) is the first thing to say, before what it lacks (a tokenizer).
+    load_model_config(args.model, args.load_format or "auto")
+    return args.model
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -71,13 +75,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from omnirun.engine import LLM
     from omnirun.engine.tokenizer import tokenizer_dir
 
+    prompts = args.prompt or ["Hello"]
+    if args.stream and len(prompts) > 1:
+        raise OmnirunError(
+            f"--stream prints one prompt as it is generated, got {len(prompts)} prompts: give one --prompt"
+        )
     params = _sampling_params(args)
     model = _model_and_device(args)
     if tokenizer_dir(args.tokenizer, model) is None:
         raise OmnirunError(f"{model} has no tokenizer for text prompts: pass --tokenizer <HF tokenizer dir>")
-    prompts = args.prompt or ["Hello"]
     with LLM(model, **llm_kwargs(args)) as llm:
-        if args.stream and len(prompts) == 1:
+        if args.stream:
             for delta in llm.stream(prompts[0], params):
                 print(delta.text, end="", flush=True)
             print()
@@ -133,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     env = commands.add_parser("env", help="show every known platform: available or why not, memory, backends")
     _add_device_flag(env)
-    env.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    env.add_argument("--json", action="store_true", help="print JSON instead of the text report")
     env.set_defaults(func=_cmd_env)
 
     from omnirun.cli_flags import add_runner_flags
@@ -141,27 +149,56 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text for prompts (the embedded model by default)")
     add_runner_flags(generate)
     generate.add_argument("--prompt", action="append", help="a prompt (repeat for several; default: Hello)")
-    generate.add_argument("--max-new-tokens", type=int, default=32, help="new tokens at most per prompt")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=-1)
-    generate.add_argument("--min-p", type=float, default=0.0)
-    generate.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
-    generate.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    generate.add_argument("--ignore-eos", action="store_true")
-    generate.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
+    generate.add_argument(
+        "--max-new-tokens", type=int, default=32, help="new tokens at most per prompt (default: %(default)s)"
+    )
+    generate.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)"
+    )
+    generate.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the smallest set of tokens of this total probability (default: %(default)s, off)",
+    )
+    generate.add_argument(
+        "--top-k",
+        type=int,
+        default=-1,
+        help="sample from the k likeliest tokens; -1 or 0 is off (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens below this share of the likeliest one's probability (default: %(default)s, off)",
+    )
+    generate.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="seed of this request's sampling (default: none, the generator --seed seeds)",
+    )
+    generate.add_argument("--stop", action="append", default=None, help="stop string, repeatable (default: none)")
+    generate.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS up to --max-new-tokens")
+    generate.add_argument("--stream", action="store_true", help="print the tokens as they come (one --prompt only)")
     generate.set_defaults(func=_cmd_generate)
 
     bench = commands.add_parser("bench", help="offline throughput and latency, with the roofline fraction")
     add_runner_flags(bench)
-    bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--input-len", type=int, default=128)
-    bench.add_argument("--output-len", type=int, default=128)
-    bench.add_argument("--num-prompts", type=int, default=None, help="default: the batch size")
+    bench.add_argument("--batch-size", type=int, default=1, help="requests run at once (default: %(default)s)")
+    bench.add_argument("--input-len", type=int, default=128, help="random tokens per prompt (default: %(default)s)")
     bench.add_argument(
-        "--shared-prefix-len", type=int, default=0, help="tokens every prompt starts with (a system prompt)"
+        "--output-len", type=int, default=128, help="new tokens per prompt, EOS ignored (default: %(default)s)"
     )
-    bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    bench.add_argument("--num-prompts", type=int, default=None, help="prompts in all (default: the batch size)")
+    bench.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens every prompt starts with, as a system prompt (default: %(default)s)",
+    )
+    bench.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (default: no)")
     bench.set_defaults(func=_cmd_bench)
 
     from omnirun.bench_serve import add_bench_serve_parser

@@ -7,40 +7,76 @@ from typing import Any
 
 from omnirun.config import DTYPES, LOAD_FORMATS
 
-# (flag, type, help); dest is the flag without dashes, which is also the RunnerConfig / engine argument name.
+# (flag, type, help); dest is the flag without dashes, which is also the RunnerConfig / engine argument name. Every
+# default is None ("not given": the runner decides), so each help names the default in words.
 _VALUE_FLAGS: list[tuple[str, type, str]] = [
-    ("--tokenizer", str, "HF tokenizer directory (default: the model's)"),
-    ("--kv-cache-dtype", str, "auto | bf16 | fp16 | fp32 | fp8_e4m3 | fp8_e5m2"),
-    ("--page-size", int, "tokens per KV-cache page"),
-    ("--mem-fraction-static", float, "share of device memory for weights + KV cache (default: the platform's)"),
-    ("--max-total-tokens", int, "cap on the KV pool in tokens"),
+    ("--tokenizer", str, "HF tokenizer directory (default: the model directory's)"),
+    ("--kv-cache-dtype", str, "auto | bf16 | fp16 | fp32 | fp8_e4m3 | fp8_e5m2 (default: auto, the model's dtype)"),
+    ("--page-size", int, "tokens per KV-cache page (default: 1)"),
+    (
+        "--mem-fraction-static",
+        float,
+        "share of device memory for weights + KV cache (default: the platform's, 0.85; 0.4 on the CPU)",
+    ),
+    (
+        "--max-total-tokens",
+        int,
+        "KV pool size in tokens (default: what memory holds, at most running limit x context length; on the CPU "
+        "also at most 4 GiB)",
+    ),
     ("--max-running-requests", int, "requests decoded together at most (default: from the KV pool, 256..1024)"),
-    ("--max-graph-batch-size", int, "largest decode batch run as a captured graph (default: the platform's)"),
-    ("--context-length", int, "longest prompt + output (default: the model's max_position_embeddings)"),
-    ("--attention-backend", str, "attention backend for prefill and decode"),
-    ("--prefill-attention-backend", str, "attention backend for prefill only"),
-    ("--decode-attention-backend", str, "attention backend for decode only"),
-    ("--max-prefill-tokens", int, "tokens one prefill step computes at most"),
-    ("--chunked-prefill-size", int, "largest piece of one prompt per prefill step"),
-    ("--seed", int, "seed of dummy weights and of unseeded sampling"),
-    ("--tp-size", int, "tensor-parallel size: ranks (devices) the model is split over"),
-    ("--nnodes", int, "nodes the ranks are spread over (default 1)"),
-    ("--node-rank", int, "this node's index, 0..nnodes-1"),
-    ("--dist-init-addr", str, "node 0's rendezvous address HOST:PORT (several nodes)"),
-    ("--dist-timeout", float, "seconds to wait for every rank to join, and for each collective"),
+    ("--max-graph-batch-size", int, "largest decode batch run as a captured graph (default: the platform's, 256)"),
+    (
+        "--context-length",
+        int,
+        "longest prompt + output (default: the model's max_position_embeddings; more needs "
+        "OMNIRUN_ALLOW_LONG_CONTEXT=1)",
+    ),
+    ("--attention-backend", str, "attention backend for prefill and decode (default: the platform's; see omnirun env)"),
+    ("--prefill-attention-backend", str, "attention backend for prefill only (default: --attention-backend)"),
+    ("--decode-attention-backend", str, "attention backend for decode only (default: --attention-backend)"),
+    ("--max-prefill-tokens", int, "tokens one prefill step computes at most (default: 8192)"),
+    ("--chunked-prefill-size", int, "largest piece of one prompt per prefill step (default: --max-prefill-tokens)"),
+    ("--seed", int, "seed of dummy weights and of unseeded sampling (default: 0)"),
+    ("--tp-size", int, "tensor-parallel size: ranks (devices) the model is split over (default: 1)"),
+    ("--nnodes", int, "nodes the ranks are spread over (default: 1)"),
+    ("--node-rank", int, "this node's index, 0..nnodes-1 (default: 0)"),
+    ("--dist-init-addr", str, "node 0's rendezvous address HOST:PORT, for several nodes (default: none)"),
+    (
+        "--dist-timeout",
+        float,
+        "seconds to wait for every rank to join, and for each collective (default: 300 to join, torch's for "
+        "collectives)",
+    ),
 ]
 
 
 def add_runner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=None, help="HF model directory, or a preset with --load-format dummy (default: embedded)"
+        "--model",
+        default=None,
+        help="HF model directory, or a preset with --load-format dummy (default: the embedded model)",
     )
-    parser.add_argument("--device", default=None, help="cuda | rocm | npu | xpu | cpu | auto | <plugin>")
-    parser.add_argument("--dtype", default=None, choices=DTYPES)
-    parser.add_argument("--load-format", default=None, choices=LOAD_FORMATS)
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="cuda | rocm | npu | xpu | cpu | auto | <plugin> (default: $OMNIRUN_DEVICE, else auto)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="model dtype (default: auto, the checkpoint's where the device computes in it, else the device's best)",
+    )
+    parser.add_argument(
+        "--load-format",
+        default=None,
+        choices=LOAD_FORMATS,
+        help="auto or safetensors read the checkpoint; dummy draws random weights (default: auto)",
+    )
     for flag, kind, text in _VALUE_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=text)
-    parser.add_argument("--disable-graph", action="store_true", default=None, help="run every step eagerly")
+    parser.add_argument("--disable-graph", action="store_true", default=None, help="run every decode step eagerly")
     parser.add_argument(
         "--disable-overlap-schedule",
         action="store_true",

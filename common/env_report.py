@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform as _host
+import textwrap
 
 import torch
 
@@ -87,39 +88,54 @@ def to_json(rows: list[PlatformRow], selected: str | None) -> str:
     )
 
 
+WIDTH = 100  # columns of the text report: it reads in a 100-column terminal
+_LABEL = 12  # width of a field's label column
+
+
 def to_table(rows: list[PlatformRow], selected: str | None) -> str:
-    columns = ["PLATFORM", "DEVICES", "MEMORY FREE/TOTAL", "DIST", "ATTENTION", "FUSED OPS", "GRAPHS", "PACKAGES"]
-    columns.append("STATUS")
-    body = [_cells(r) for r in rows]
-    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(columns[:-1])]
-    lines = [" · ".join(f"{k} {v}" for k, v in header().items())]
-    lines.append(f"auto selects: {selected or 'nothing (see STATUS)'}")
-    lines.append("")
-    for cells in [columns, *body]:
-        # STATUS goes last and unpadded: a reason can be long.
-        lines.append("  ".join(c.ljust(w) for c, w in zip(cells[:-1], widths, strict=True)) + "  " + cells[-1])
+    """The text report: a header, then one block per platform, every line at most WIDTH columns."""
+    lines = _wrap("", " · ".join(f"{k} {v}" for k, v in header().items()))
+    lines += _wrap("auto selects: ", selected or "nothing (every platform says why below)")
+    for row in rows:
+        lines.append("")
+        lines.extend(_block(row))
     return "\n".join(lines)
 
 
-def _cells(row: PlatformRow) -> list[str]:
-    memory = "-"
-    if row.memory_total:
-        memory = f"{row.memory_free / _GIB:.1f}/{row.memory_total / _GIB:.1f} GiB"
-    devices = str(row.device_count) if row.status == "available" else "-"
-    if row.device_name:
-        devices += f" × {row.device_name}"
-    packages = ", ".join(f"{k} {v or '-'}" for k, v in row.packages.items()) or "-"
+def _wrap(first: str, text: str) -> list[str]:
+    """`text` after `first`, wrapped to WIDTH with the continuation lines under the text's start."""
+    indent = " " * len(first)
+    wrapped = textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=indent, break_on_hyphens=False)
+    return wrapped or [first.rstrip()]
+
+
+def _block(row: PlatformRow) -> list[str]:
     status = row.status + (f": {row.reason}" if row.reason else "")
+    lines = _wrap(f"{row.name}  ", status)
+    for label, value in _fields(row):
+        lines.extend(_wrap(f"  {label:<{_LABEL}}", value))
+    return lines
+
+
+def _fields(row: PlatformRow) -> list[tuple[str, str]]:
+    """(label, value) of what the report shows of one platform: the device's facts only where it is available."""
+    fields = []
+    if row.status == "available":
+        devices = str(row.device_count) + (f" × {row.device_name}" if row.device_name else "")
+        memory = "-"
+        if row.memory_total:
+            memory = f"{row.memory_free / _GIB:.1f} GiB free of {row.memory_total / _GIB:.1f} GiB"
+        fields += [
+            ("devices", devices),
+            ("memory", memory),
+            ("attention", ", ".join(row.attention_backends) or "-"),
+            ("fused ops", ", ".join(row.fused_ops) or "-"),
+            ("graphs", row.graph_capture or "-"),
+        ]
+    if row.distributed_backend:
+        fields.append(("dist", row.distributed_backend))
+    if row.packages:
+        fields.append(("packages", ", ".join(f"{k} {v or '-'}" for k, v in row.packages.items())))
     if row.notes:
-        status += f" ({'; '.join(row.notes)})"
-    return [
-        row.name,
-        devices,
-        memory,
-        row.distributed_backend or "-",
-        ",".join(row.attention_backends) or "-",
-        ",".join(row.fused_ops) or "-",
-        row.graph_capture or "-",
-        packages,
-        status,
-    ]
+        fields.append(("notes", "; ".join(row.notes)))
+    return fields

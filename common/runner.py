@@ -250,7 +250,15 @@ class ModelRunner:
             max_running_requests=self.config.max_running_requests,
             max_total_tokens=max_total_tokens or self.config.max_total_tokens,
             reserved_bytes=self.graph_runner.reserved_bytes() if self.graph_runner is not None else 0,
+            default_kv_bytes=self._default_kv_bytes(),
         )
+
+    def _default_kv_bytes(self) -> int | None:
+        """The platform's default KV pool size (the CPU's), unless the user sized the pool with a flag."""
+        if self.config.mem_fraction_static is not None or self.config.max_total_tokens is not None:
+            return None
+        default = getattr(self.platform, "default_kv_cache_bytes", None)  # not (yet) on every Platform
+        return default() if default is not None else None
 
     def _agree_on_kv_pool(self, plan: KVPoolPlan | None, free: int, total: int) -> KVPoolPlan:
         """Every rank builds the same pool (the schedule on rank 0 addresses all of them): the smallest rank's.

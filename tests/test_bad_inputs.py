@@ -54,6 +54,12 @@ LLM_CASES = [
     (dict(max_total_tokens=10), KVPoolTooSmallError, "--max-total-tokens 10 cannot hold one request"),
     (dict(max_running_requests=0), ConfigError, "--max-running-requests must be >= 1, got 0"),
     (dict(context_length=0), ConfigError, "--context-length must be >= 1, got 0"),
+    (
+        dict(context_length=100000),
+        ConfigError,
+        "--context-length 100000 exceeds the model's max_position_embeddings 1024: use at most 1024, or set "
+        "OMNIRUN_ALLOW_LONG_CONTEXT=1",
+    ),
     (dict(max_graph_batch_size=0), ConfigError, "--max-graph-batch-size must be >= 1, got 0"),
     (dict(dtype="float64"), ConfigError, "--dtype 'float64' is unknown"),
     (dict(load_format="pt"), ConfigError, "--load-format 'pt' is unknown"),
@@ -145,7 +151,10 @@ PROMPT_CASES = [
     ([], SamplingParams(), "empty prompt"),
     ([-1, 5], SamplingParams(), "token id -1 is outside the model's vocabulary: use ids in [0, 512)"),
     ([5, 512], SamplingParams(), "token id 512 is outside"),
-    ([1.5, 2], SamplingParams(), "a prompt is a string or a list of int token ids"),
+    ([1.5, 2], SamplingParams(), "a prompt is a string or a list of int token ids, got 1.5 (float) at position 0"),
+    ([1, None], SamplingParams(), "a prompt is a string or a list of int token ids, got None (NoneType) at position 1"),
+    (3.5, SamplingParams(), "a prompt is a string or a list of int token ids, got 3.5 (float)"),
+    (b"hi", SamplingParams(), "a prompt is a string or a list of int token ids, got b'hi' (bytes)"),
     ([1] * 1024, SamplingParams(), "the prompt has 1024 tokens, the context length is 1024"),
     ([1] * 1000, SamplingParams(max_new_tokens=100), "use max_new_tokens <= 24"),
 ]
@@ -162,6 +171,33 @@ def test_bad_prompts_are_refused_and_the_llm_stays_usable(llm, prompt, params, t
     with pytest.raises(ConfigError, match=text[:12]):
         llm.stream(prompt, params)
     assert len(llm.generate("Hello", SamplingParams(max_new_tokens=4), use_tqdm=False)[0].token_ids) == 4
+
+
+def test_a_prompt_that_is_neither_text_nor_ids_is_named(llm):
+    with pytest.raises(ConfigError) as caught:
+        llm.generate([3.5], use_tqdm=False)
+    assert str(caught.value) == "a prompt is a string or a list of int token ids, got 3.5 (float)"
+    with pytest.raises(ConfigError, match=r"got \[0, 0, 0, .*\.\.\. \(list\) at position 0$") as caught:
+        llm.generate([[1, 2], [[0] * 10_000]], use_tqdm=False)  # a list nested in a prompt
+    assert len(str(caught.value)) < 150, "a huge value is cut short"
+
+
+def test_a_long_context_is_allowed_on_purpose_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setenv("OMNIRUN_ALLOW_LONG_CONTEXT", "1")
+    with caplog.at_level("WARNING", logger="omnirun.loader.model_config"):
+        with LLM(device="cpu", context_length=2048, max_total_tokens=2048) as llm:
+            assert llm.runner.context_length == 2048
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("--context-length 2048 exceeds the model's max_position_embeddings 1024" in m for m in warned)
+    monkeypatch.setenv("OMNIRUN_ALLOW_LONG_CONTEXT", "0")  # only 1 (or true) allows it
+    with pytest.raises(ConfigError, match="set OMNIRUN_ALLOW_LONG_CONTEXT=1"):
+        LLM(device="cpu", context_length=2048)
+
+
+def test_a_missing_model_directory_is_said_before_the_missing_tokenizer(no_model_load, capsys):
+    assert main(["generate", "--device", "cpu", "--model", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "tokenizer" not in err
 
 
 def test_a_stop_string_at_the_start_of_the_output_is_cut(llm):
@@ -199,6 +235,17 @@ CLI_CASES = [
     (["generate", "--attention-backend", "nope"], "--attention-backend 'nope' is not offered"),
     (["generate", "--tokenizer", "/nonexistent/tok"], "--tokenizer /nonexistent/tok: no such directory"),
     (["generate", "--model", "tiny-llama", "--load-format", "dummy"], "has no tokenizer for text prompts"),
+    (
+        ["generate", "--model", "/nonexistent/model"],
+        "model directory /nonexistent/model does not exist: pass --model <dir with config.json>",
+    ),
+    (["generate", "--model", "tiny-llama"], "(to run the 'tiny-llama' preset with random weights add --load-format"),
+    (["bench", "--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),
+    (["generate", "--context-length", "100000"], "--context-length 100000 exceeds the model's max_position_embeddings"),
+    (
+        ["generate", "--stream", "--prompt", "a", "--prompt", "b"],
+        "--stream prints one prompt as it is generated, got 2 prompts: give one --prompt",
+    ),
     (["generate", "--device", "bogus"], "unknown device 'bogus'"),
     (["bench", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
     (["bench", "--json", "/nonexistent/dir/out.json"], "--json /nonexistent/dir/out.json: its folder does not exist"),

@@ -22,18 +22,55 @@ def omnirun(*args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_table_lists_every_platform_with_status_or_reason():
+def _blocks(text: str) -> dict[str, list[str]]:
+    """The report's platform blocks by name (blocks are separated by empty lines; the header is the first)."""
+    blocks = [b.splitlines() for b in text.split("\n\n")[1:]]
+    return {b[0].split()[0]: b for b in blocks}
+
+
+def _status(block: list[str]) -> str:
+    """A block's status text, its wrapped lines joined (field lines start with exactly two spaces)."""
+    status = [block[0].split(maxsplit=1)[1]]
+    for line in block[1:]:
+        if line.startswith("  ") and not line.startswith("   "):
+            break
+        status.append(line.strip())
+    return " ".join(status)
+
+
+def test_report_lists_every_platform_with_status_or_reason():
     result = omnirun("env")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("omnirun ") and "torch " in lines[0]
-    rows = {line.split()[0]: line for line in lines[3:]}
-    assert set(IN_TREE) <= set(rows)
-    assert "available" in rows["cpu"] and "gloo" in rows["cpu"] and "GiB" in rows["cpu"]
+    blocks = _blocks(result.stdout)
+    assert set(IN_TREE) <= set(blocks)
+    cpu = "\n".join(blocks["cpu"])
+    assert "  dist        gloo" in cpu and "GiB free of" in cpu and "  attention   torch_native" in cpu
     for name in IN_TREE:
         probe = default_registry().get(name).probe()
         expected = "available" if probe.available else f"unavailable: {probe.reason}"
-        assert rows[name].endswith(expected)
+        assert _status(blocks[name]) == expected
+
+
+def test_no_line_of_the_report_exceeds_100_columns():
+    result = omnirun("env")
+    assert result.returncode == 0, result.stderr
+    assert max(len(line) for line in result.stdout.splitlines()) <= 100, result.stdout
+
+
+def test_long_values_wrap_under_their_field():
+    from omnirun.env_report import PlatformRow, to_table
+
+    reason = "the vendor stack says " + "something long " * 20 + "https://example.com/" + "x" * 120
+    packages = {f"package-{i}": f"{i}.0" for i in range(12)}
+    row = PlatformRow("plugin", "unavailable", reason, 0, None, None, None, "gloo", [], [], None, packages, ["a note"])
+    lines = to_table([row], None).splitlines()
+    assert max(len(line) for line in lines) <= 100, "\n".join(lines)
+    # every character of the reason, in order (the 120-column word is cut where it reaches the edge)
+    assert _status(lines[3:]).replace(" ", "") == f"unavailable: {reason}".replace(" ", "")
+    text = " ".join(line.strip() for line in lines)
+    assert all(f"package-{i} {i}.0" in text for i in range(12)) and "notes       a note" in "\n".join(lines)
 
 
 def test_json_report():

@@ -61,3 +61,48 @@ def test_console_entry_point_runs():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_bench_says_what_it_does_before_it_measures_the_bandwidth(monkeypatch, capsys):
+    from omnirun import bench
+    from omnirun.bandwidth import Bandwidth
+
+    said_before = []
+
+    def measure(platform, device):
+        said_before.append(capsys.readouterr().err)
+        return Bandwidth(2e9, 1e9)
+
+    monkeypatch.setattr(bench, "measure_bandwidth", measure)
+    with LLM("tiny-llama", load_format="dummy", device="cpu", dtype="float32", max_total_tokens=2048) as llm:
+        bench.run_bench(llm, batch_size=2, input_len=4, output_len=3, num_prompts=2)
+    assert said_before and said_before[0].rstrip().endswith(
+        "omnirun bench: measuring the memory bandwidth (large copies and sums: seconds) ..."
+    )
+    assert "omnirun bench: warming up (2 prompts) ..." in said_before[0]
+
+
+def _result(**overrides):
+    r = dict(
+        model="m", device="cpu", device_name="AMD", dtype="float32", attention="torch_native", graph_runner="eager"
+    )
+    r |= dict(batch_size=3, num_prompts=5, shared_prefix_len=16, input_len=8, output_len=6, output_tokens_per_s=12345.6)
+    r |= dict(total_s=1.2, ttft_ms_mean=3.4, tpot_ms_mean=1.2, decode_step_ms_median=1.1, decode_step_bytes=1e6)
+    r |= dict(copy_GBps=30.1, read_GBps=20.2, roofline_fraction_copy_bw=0.05, roofline_fraction_read_bw=0.07)
+    r |= dict(prefix_caching=True, prefill_tokens_cached=64, prefill_tokens_computed=40, prefix_cache_hit_rate=0.615)
+    return r | overrides
+
+
+def test_bench_table_rows_are_aligned():
+    from omnirun.bench import format_result
+
+    for result in (_result(), _result(prefix_caching=False, prefill_tokens_cached=0, prefix_cache_hit_rate=0.0)):
+        rows = [line for line in format_result(result).splitlines() if line.startswith("  ")]
+        assert len(rows) == 8 and rows[-1].startswith("  prefix cache ")
+        for row in rows:
+            label, value = row[2:21].rstrip(), row[21:31]
+            # a label of single-spaced words, then the value right-aligned in its column, then two spaces
+            assert "  " not in label and label == label.strip() and row[20] == " ", row
+            assert value.strip() and " " not in value.strip() and value[-1] != " ", row
+            assert row[31:33] == "  " and row[33] != " ", row
+    assert "  prefix cache            61.5%  hit rate: 64 prompt tokens cached, 40 computed" in format_result(_result())

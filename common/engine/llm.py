@@ -269,10 +269,22 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
         if tokenizer is None:
             raise ConfigError("text prompts need a tokenizer: pass token ids, or tokenizer=<HF tokenizer dir>")
         return list(tokenizer(prompt).input_ids)
-    if isinstance(prompt, torch.Tensor):
+    if hasattr(prompt, "tolist"):  # a torch tensor or a numpy array of ids
         prompt = prompt.tolist()
-    if not all(_is_token_id(t) for t in prompt):
-        raise ConfigError("a prompt is a string or a list of int token ids")
+
+    def refuse(bad: object, where: str = "") -> ConfigError:
+        shown = " ".join(repr(bad).split())
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."  # one line, however large the value
+        return ConfigError(
+            f"a prompt is a string or a list of int token ids, got {shown} ({type(bad).__name__}){where}"
+        )
+
+    # (bytes and dicts iterate as ints, which would pass for token ids)
+    if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
+        raise refuse(prompt)
+    for i, token in enumerate(prompt):
+        if not _is_token_id(token):
+            raise refuse(token, f" at position {i}")
     return [int(t) for t in prompt]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -105,8 +106,15 @@ def resolve_model_dtype(name: str, config: PretrainedConfig, capabilities: Capab
     return dtype
 
 
+# Set to 1 to serve past the model's max_position_embeddings on purpose (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
+ALLOW_LONG_CONTEXT_ENV = "OMNIRUN_ALLOW_LONG_CONTEXT"
+
+
 def context_length(config: PretrainedConfig, override: int | None) -> int:
-    """The longest sequence (prompt + output) to serve: the model's max_position_embeddings unless overridden."""
+    """The longest sequence (prompt + output) to serve: the model's max_position_embeddings unless overridden.
+
+    An override past it is refused (positions the model never saw give garbage) unless $OMNIRUN_ALLOW_LONG_CONTEXT
+    is 1, which logs a warning instead."""
     native = getattr(config, "max_position_embeddings", None)
     if override is None:
         if not isinstance(native, int) or native < 1:
@@ -115,10 +123,17 @@ def context_length(config: PretrainedConfig, override: int | None) -> int:
     if isinstance(override, bool) or not isinstance(override, int) or override < 1:
         raise ConfigError(f"--context-length must be an integer >= 1, got {override!r}")
     if isinstance(native, int) and override > native:
+        if os.environ.get(ALLOW_LONG_CONTEXT_ENV, "").strip().lower() not in ("1", "true"):
+            raise ConfigError(
+                f"--context-length {override} exceeds the model's max_position_embeddings {native}: use at most "
+                f"{native}, or set {ALLOW_LONG_CONTEXT_ENV}=1 to allow it (outputs past {native} may degrade)"
+            )
         logger.warning(
-            "--context-length %d exceeds the model's max_position_embeddings %d; outputs past %d may degrade",
+            "--context-length %d exceeds the model's max_position_embeddings %d (allowed by %s=1); outputs past %d "
+            "may degrade",
             override,
             native,
+            ALLOW_LONG_CONTEXT_ENV,
             native,
         )
     return override

@@ -12,15 +12,20 @@ _REQ_TO_TOKEN_ENTRY_BYTES = 4  # the request-to-token table is int32
 # tokens each, between the bounds. Llama-3-8B on an H200 holds ~836k tokens, so 1,024: 1,000 prompts of 256 -> 256
 # ran at 15,911 output tok/s there against 14,370 with 256 running
 # (bench/results_h200_offline_bs{256,1024}_1000_f81960b.json). A small device keeps 256. The table is sized for the
-# upper bound while the pool is planned.
+# upper bound while the pool is planned, and the pool is capped at what that bound's requests can fill.
 DEFAULT_RUNNING_REQUESTS = (256, 1024)
 DEFAULT_TOKENS_PER_REQUEST = 512
 
 
-def default_max_running_requests(pool_tokens: int) -> int:
-    """The running-request limit for a pool of `pool_tokens` when the user sets none."""
+def default_max_running_requests(pool_tokens: int, request_tokens: int | None = None) -> int:
+    """The running-request limit for a pool of `pool_tokens` when the user sets none: DEFAULT_TOKENS_PER_REQUEST
+    tokens each, within the bounds, and at least enough requests of `request_tokens` (the context length, in whole
+    pages) to fill the pool, or part of it could never hold a running request."""
     low, high = DEFAULT_RUNNING_REQUESTS
-    return min(high, max(low, pool_tokens // DEFAULT_TOKENS_PER_REQUEST))
+    limit = max(low, pool_tokens // DEFAULT_TOKENS_PER_REQUEST)
+    if request_tokens is not None:
+        limit = max(limit, -(-pool_tokens // request_tokens))
+    return min(high, limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,32 @@ def _size(n: float) -> str:
     if abs(n) >= 2**30:
         return f"{n / 2**30:.2f} GiB"
     return f"{n / 2**20:.2f} MiB"
+
+
+def _caps(
+    fit_pages: int,
+    mem_fraction_static: float,
+    bytes_per_token: int,
+    page_size: int,
+    context_length: int,
+    table_rows: int,
+    default_rows: bool,
+    max_total_tokens: int | None,
+    default_kv_bytes: int | None,
+) -> list[tuple[int, str]]:
+    """(pages, name) of every cap on the pool, the user's first. --max-total-tokens replaces the two default caps:
+    a pool larger than the running requests can fill still keeps finished requests' prefixes cached."""
+    memory = (fit_pages, f"memory (mem_fraction_static {mem_fraction_static:g})")
+    if max_total_tokens is not None:
+        return [(max_total_tokens // page_size, f"--max-total-tokens {max_total_tokens}"), memory]
+    pages_per_request = -(-context_length // page_size)
+    limit = f"{table_rows} (the default's most)" if default_rows else f"--max-running-requests {table_rows}"
+    caps = [(table_rows * pages_per_request, f"running limit {limit} x context length {context_length}")]
+    if default_kv_bytes is not None:
+        # A default, so never below one request of the context length (memory still caps it).
+        default_pages = max(default_kv_bytes // bytes_per_token // page_size - 1, pages_per_request)
+        caps.append((default_pages, f"the platform's default KV budget {_size(default_kv_bytes)}"))
+    return [*caps, memory]
 
 
 def _validate(
@@ -86,14 +117,20 @@ def plan_kv_pool(
     max_running_requests: int | None,
     max_total_tokens: int | None = None,
     reserved_bytes: int = 0,
+    default_kv_bytes: int | None = None,
 ) -> KVPoolPlan:
-    """Size the KV pool from the memory left after the weights are loaded (SGLang's arithmetic).
+    """Size the KV pool from the memory left after the weights are loaded (SGLang's arithmetic), then cap it.
 
     The static share of the device, `total_bytes * mem_fraction_static`, holds the weights and the KV cache; the
     weights are already loaded (they are no longer in `free_bytes`), so the KV budget is what is free minus the
     non-static share, minus `reserved_bytes` (e.g. graph memory), minus the request-to-token table. The budget
-    also pays for the padding page 0, so the buffers actually allocated never exceed it. `max_running_requests`
-    None: the plan's limit is `default_max_running_requests` of the pool it finds.
+    also pays for the padding page 0, so the buffers actually allocated never exceed it.
+
+    The pool is the smallest of the caps: that memory budget; `max_total_tokens` when given; else what the running
+    limit can fill (its rows x the context length) and `default_kv_bytes` (a platform's default pool size, the
+    CPU's) when given. `max_running_requests` None: the running limit is at most DEFAULT_RUNNING_REQUESTS[1] (the
+    cap uses that), and the plan's limit is then `default_max_running_requests` of the capped pool: the cap comes
+    from the largest limit the default may pick, the limit from the pool, so neither waits on the other.
     """
     _validate(
         free_bytes,
@@ -114,31 +151,38 @@ def plan_kv_pool(
     fit_tokens = max(budget, 0) // bytes_per_token
     fit_pages = max(fit_tokens // page_size - 1, 0)  # one page of the budget goes to the padding page
 
-    num_pages = fit_pages
-    cap_note = ""
-    if max_total_tokens is not None:
-        cap_pages = max_total_tokens // page_size
-        if cap_pages <= fit_pages:
-            num_pages = cap_pages
-            cap_note = f"; capped by --max-total-tokens {max_total_tokens}"
-        else:
-            cap_note = f"; --max-total-tokens {max_total_tokens} does not fit, using what fits"
+    caps = _caps(
+        fit_pages,
+        mem_fraction_static,
+        bytes_per_token,
+        page_size,
+        context_length,
+        table_rows,
+        max_running_requests is None,
+        max_total_tokens,
+        default_kv_bytes,
+    )
+    num_pages, winner = min(caps, key=lambda cap: cap[0])  # on a tie the first: the user's cap before memory
     num_tokens = num_pages * page_size
+    if max_total_tokens is not None and max_total_tokens // page_size > fit_pages:
+        winner += f" (--max-total-tokens {max_total_tokens} does not fit, using what fits)"
     running_note = ""
     if max_running_requests is None:
-        max_running_requests = default_max_running_requests(num_tokens)
+        request_tokens = -(-context_length // page_size) * page_size  # a request of the context length, in pages
+        max_running_requests = default_max_running_requests(num_tokens, request_tokens)
         low, high = DEFAULT_RUNNING_REQUESTS
         running_note = (
             f"; at most {max_running_requests} running requests (no --max-running-requests: "
-            f"{DEFAULT_TOKENS_PER_REQUEST} tokens each, within {low}..{high})"
+            f"{DEFAULT_TOKENS_PER_REQUEST} tokens each, within {low}..{high}, enough to fill the pool)"
         )
 
     explanation = (
         f"KV pool: free {_size(free_bytes)} - total {_size(total_bytes)} x (1 - mem_fraction_static "
         f"{mem_fraction_static:g}) - reserved {_size(reserved_bytes)} - req_to_token {_size(req_to_token_bytes)} "
         f"({table_rows} x {context_length} x 4 B) = budget {_size(budget)}; "
-        f"{bytes_per_token} B/token -> {fit_tokens} tokens = {fit_pages} pages of {page_size} + 1 padding page"
-        f"{cap_note}; pool {num_tokens} tokens in {num_pages} pages{running_note}"
+        f"{bytes_per_token} B/token -> {fit_tokens} tokens = {fit_pages} pages of {page_size} + 1 padding page; "
+        f"caps in pages: {', '.join(f'{name}: {pages}' for pages, name in caps)}; "
+        f"pool {num_tokens} tokens in {num_pages} pages, capped by {winner}{running_note}"
     )
 
     if num_tokens < context_length:

@@ -30,6 +30,9 @@ class CpuPlatform(Platform):
     auto_priority = 0  # the fallback: auto picks it only when no accelerator is available
     # Host memory is shared with the OS and every other process: claim less of it than of an accelerator's.
     default_mem_fraction_static = 0.4
+    # The KV pool's size unless a flag sizes it, as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE, 4 GiB): 40 % of the
+    # host for a 3 MB model left the machine no room, and a second LLM of the process none at all.
+    default_kv_cache_space = 4 << 30
     _own_use: OwnUseTracker | None = None  # set by the first memory_info()
     _ranks_per_node = 1  # processes sharing this host as tensor-parallel ranks (bind_rank)
     _threads_before_bind: int | None = None
@@ -85,6 +88,10 @@ class CpuPlatform(Platform):
         free, total = self._host_memory_info()
         # Ranks of one node each size a pool from the same host memory: give each an equal share.
         return free // self._ranks_per_node, total // self._ranks_per_node
+
+    def default_kv_cache_bytes(self) -> int:
+        """This rank's default KV pool size: ranks of one node share the host, as in memory_info."""
+        return self.default_kv_cache_space // self._ranks_per_node
 
     def _host_memory_info(self) -> tuple[int, int]:
         free, total = host_memory_info()
