@@ -7,7 +7,8 @@ The parent talks to it over two one-way multiprocessing pipes:
 
 - parent -> child: ("add", [(request_id, prompt_ids, SamplingParams), ...]), ("abort", request_id),
   ("call", call_id, name) for a reading between two steps (kv_usage), ("shutdown",).
-- child -> parent: ("ready", (model, context_length, vocab_size)) or ("failed", error class, message) once; then
+- child -> parent: ("ready", (model, context_length, vocab_size), description) or ("failed", error class, message)
+  once (the description: ModelRunner.describe() and `deterministic`, for the server's start-up line); then
   ("step", deltas, errors, stats) once per round of the engine loop, with every request's delta of that step as
   (request_id, token_ids, text, finish_reason, logprobs, top_logprobs, cached_tokens), the requests ended by an
   error as (request_id, error class, message), and an EngineStats snapshot for /metrics; ("reply", call_id, ok,
@@ -99,11 +100,12 @@ class EngineProcess:
         # Before multiprocessing's own exit hook joins the (non-daemon) child, which would wait forever.
         atexit.register(self.close)
         try:
-            model_name, context_length, vocab_size = self._wait_until_ready()
+            (model_name, context_length, vocab_size), description = self._wait_until_ready()
         except BaseException:
             self.close(grace_s=0.0)
             raise
         self.facts = ModelFacts(model_name, context_length, vocab_size)
+        self.description: dict[str, Any] = description  # device, dtype, KV tokens, running limit, graphs, ...
         self._reader = threading.Thread(target=self._read, name="omnirun-engine-reader", daemon=True)
         self._reader.start()
 
@@ -192,7 +194,7 @@ class EngineProcess:
             except (OSError, ValueError) as exc:  # a dead child (broken pipe) or a closed connection
                 raise EngineClosedError(f"the engine process is gone: {exc}") from None
 
-    def _wait_until_ready(self) -> tuple[str, int, int]:
+    def _wait_until_ready(self) -> tuple[tuple[str, int, int], dict[str, Any]]:
         try:
             while not self._from_child.poll(_LIVENESS_CHECK_S):
                 if not self._process.is_alive():
@@ -205,7 +207,7 @@ class EngineProcess:
         if message[0] == "failed":
             self._process.join(STOP_GRACE_S)
             raise _error(message[1], message[2])
-        return message[1]
+        return message[1], message[2]
 
     def _call(self, name: str) -> Any:
         call_id, done = next(self._call_ids), threading.Event()

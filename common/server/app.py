@@ -15,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from omnirun.engine import LLM
 from omnirun.engine.client import EngineClient
 from omnirun.server.async_engine import AsyncEngine
+from omnirun.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from omnirun.server.chat import create_chat_completion
 from omnirun.server.completions import create_completion
 from omnirun.server.errors import OpenAIError, install_error_handlers
@@ -56,8 +57,10 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queued_requests: int | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
-    """The server's app over an open LLM, or an EngineProcess (which stays the caller's to close)."""
+    """The server's app over an open LLM, or an EngineProcess (which stays the caller's to close). A request body
+    over `max_request_bytes` is answered with 413 before it is parsed."""
     engine = AsyncEngine(llm, max_queued_requests=max_queued_requests)
     client = engine.client
     state = ServerState(engine, served_model_name or client.facts.model, api_key)
@@ -65,6 +68,7 @@ def create_app(
     app = FastAPI(title="omnirun", description="OpenAI-compatible server over the omnirun engine")
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_key)])
 

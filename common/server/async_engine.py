@@ -108,9 +108,11 @@ class AsyncEngine:
         self.client = as_engine_client(engine)
         self.max_queued_requests = max_queued_requests
         self.num_waiting = 0  # requests submitted that have no token yet (only touched on the event loop)
-        # Observers of each request's news, for metrics: on_submit(requests), on_delta(request, delta, now).
+        # Observers of each request's news, for metrics: on_submit(requests), on_delta(request, delta, now), and
+        # on_abort(request) for a submitted request that its group ended before it finished (no delta says so).
         self.on_submit: list[Callable[[Sequence[Request]], None]] = []
         self.on_delta: list[Callable[[Request, StreamDelta, float], None]] = []
+        self.on_abort: list[Callable[[Request], None]] = []
         self._mailbox: Mailbox | None = None
 
     @property
@@ -200,10 +202,14 @@ class RequestGroup:
             return
         self._closed = True
         client = self._engine.client
+        submitted = self._channel is not None
         for request in self.requests:
             self._mark_started(request.request_id)  # no longer waiting, whatever happens next
             if request.request_id not in self._finished:
                 client.abort(request.request_id)
+                # (the engine's last delta for it goes to a channel nobody reads any more: tell the metrics here)
+                for observe in self._engine.on_abort if submitted else ():
+                    observe(request)
 
 
 def _coalesced(items: list[tuple[int, Any]]) -> dict[int, StreamDelta]:

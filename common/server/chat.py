@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
+from omnirun.engine import Request
 from omnirun.errors import OmnirunError
+from omnirun.sampling import SamplingParams
 from omnirun.server.errors import OpenAIError
 from omnirun.server.generation import (
     DONE,
@@ -29,31 +32,32 @@ from omnirun.server.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
+    ContentPart,
     TokenLogprob,
     TopLogprob,
     new_id,
     now,
 )
 from omnirun.server.state import ServerState
+from omnirun.server.tokenize import encode_checked
 
 
-def _content(content: str | list | None, index: int) -> str:
+def _content(content: str | list[ContentPart] | None, index: int) -> str:
     """A message's text: a string, or the text parts of a list of content parts."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
     for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if part.type != "text" or part.text is None:
             raise OpenAIError(
-                400,
-                f"messages[{index}].content: only text parts are supported, got {part.get('type')!r}",
-                param="messages",
+                400, f"messages[{index}].content: only text parts are supported, got {part.type!r}", param="messages"
             )
-        texts.append(part["text"])
+        texts.append(part.text)
     return "".join(texts)
 
 
 def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """The templated prompt's token ids (blocking: run it off the event loop, as _prepare does)."""
     tokenizer = state.engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
@@ -62,7 +66,18 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
     except Exception as exc:  # jinja raises for templates that refuse a role order, say
         raise OpenAIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
-    return list(tokenizer(text, add_special_tokens=False).input_ids)  # the template wrote the special tokens
+
+    def encode(text: str) -> list[int]:  # the template wrote the special tokens
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    return encode_checked(encode, text, state.engine.client.facts.context_length)
+
+
+def _prepare(
+    state: ServerState, body: ChatCompletionRequest, params: SamplingParams
+) -> tuple[list[int], list[Request]]:
+    prompt = chat_prompt(state, body)
+    return prompt, make_requests(state.engine, [prompt], params, body.n)
 
 
 def _logprobs(name: Callable[[int], str], choice: Choice, start: int, n_top: int) -> ChatLogprobs:
@@ -82,11 +97,12 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
     model = state.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    prompt = chat_prompt(state, body)
     n_top = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens=max_tokens, logprobs=n_top if body.logprobs else None)
-    requests = make_requests(state.engine, [prompt], params, body.n)
+    # The template and the tokenizer take seconds for a prompt of megabytes: in a worker thread, so that the event
+    # loop goes on answering /health and streaming meanwhile (the tokenizer's Rust half releases the GIL).
+    prompt, requests = await asyncio.to_thread(_prepare, state, body, params)
     group = state.engine.submit(requests)
     name = state.token_namer(body.return_tokens_as_token_ids)
     rid, created = new_id("chatcmpl"), now()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
+from omnirun.engine import Request
 from omnirun.errors import OmnirunError
+from omnirun.sampling import SamplingParams
 from omnirun.server.errors import OpenAIError
 from omnirun.server.generation import (
     DONE,
@@ -29,16 +32,30 @@ from omnirun.server.protocol import (
     now,
 )
 from omnirun.server.state import ServerState
+from omnirun.server.tokenize import encode_checked
 
 
 def _prompts(state: ServerState, prompt: str | list) -> list[list[int]]:
+    def encode(text: str) -> list[int]:
+        return encode_checked(state.engine.encode, text, state.engine.client.facts.context_length)
+
     if isinstance(prompt, str):
-        return [state.engine.encode(prompt)]
+        return [encode(prompt)]
     if prompt and all(isinstance(p, str) for p in prompt):
-        return [state.engine.encode(p) for p in prompt]
+        return [encode(p) for p in prompt]
     if prompt and all(isinstance(p, list) for p in prompt):
         return [list(p) for p in prompt]
     return [list(prompt)]  # token ids (an empty list is refused by the engine: no token to continue from)
+
+
+def _prepare(
+    state: ServerState, body: CompletionRequest, params: SamplingParams
+) -> tuple[list[list[int]], list[Request], list[str]]:
+    """The prompts' token ids, their checked requests (n each), and the echoed prompts' text."""
+    prompts = _prompts(state, body.prompt)
+    requests = make_requests(state.engine, prompts, params, body.n)
+    echoes = [state.engine.tokenizer.decode(p) if body.echo else "" for p in prompts]
+    return prompts, requests, echoes
 
 
 def _logprobs(name: Callable[[int], str], choice: Choice, start: int, offset: int, n_top: int) -> CompletionLogprobs:
@@ -67,10 +84,10 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
         raise OpenAIError(
             400, "echo needs a tokenizer, and this server has none (start it with --tokenizer)", param="echo"
         )
-    prompts = _prompts(state, body.prompt)
     params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
-    requests = make_requests(state.engine, prompts, params, body.n)
-    echoes = [state.engine.tokenizer.decode(p) if body.echo else "" for p in prompts]
+    # A prompt of megabytes takes seconds to tokenize (and its ids to check): in a worker thread, so that the event
+    # loop goes on answering /health and streaming meanwhile (the tokenizer's Rust half releases the GIL).
+    prompts, requests, echoes = await asyncio.to_thread(_prepare, state, body, params)
     group = state.engine.submit(requests)
     name = state.token_namer(body.return_tokens_as_token_ids)
     rid, created = new_id("cmpl"), now()

@@ -1,8 +1,8 @@
 """Errors in OpenAI's shape — `{"error": {"message", "type", "param", "code"}}` — with the status that fits.
 
 400 for a body that is not JSON, a wrong type, a value out of range, a prompt past the context length; 401 for a
-missing or wrong API key; 404 for an unknown model or path; 503 with Retry-After when the queue is full; 500 for
-anything else (a bug: logged, and the server goes on).
+missing or wrong API key; 404 for an unknown model or path; 413 for a body over --max-request-bytes; 503 with
+Retry-After when the queue is full; 500 for anything else (a bug: logged, and the server goes on).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from omnirun.errors import ConfigError, EngineClosedError, EngineStepError, SamplingParamsError
 from omnirun.server.async_engine import QueueFullError
+from omnirun.server.protocol import OUR_CHECKS
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
     503: "ServiceUnavailableError",
 }
 RETRY_AFTER_S = 1
@@ -57,13 +59,18 @@ def error_response(
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One line for the first problem of the body, and the field it is about."""
-    error = exc.errors()[0]
-    where = [str(part) for part in error.get("loc", ()) if part != "body"]
+    errors = exc.errors()
+    # A union (prompt: str | list[int] | ...) reports each branch; the field and the first message are enough,
+    # unless a branch matched the type and failed a check of ours (a lone surrogate): that one says what is wrong.
+    error = next((e for e in errors if e.get("type") in OUR_CHECKS), errors[0])
     if error.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {error.get('msg')}", None
-    # A union (prompt: str | list[int] | ...) reports each branch; the field and the first message are enough.
+    # (a union branch's tag, "function-after[...]" or "list[int]", is no part of the field's path)
+    where = [str(part) for part in error.get("loc", ()) if part != "body" and "[" not in str(part)]
     field = where[0] if where else None
     path = ".".join(where) or "body"
+    if error.get("type") in OUR_CHECKS:
+        return f"{path}: {error.get('msg')}", field
     return f"{path}: {error.get('msg')} (got {error.get('input')!r:.80})", field
 
 

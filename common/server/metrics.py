@@ -1,9 +1,10 @@
 """`/metrics`: Prometheus text from prometheus_client, one registry per server.
 
-Counted as requests go (on the event loop): prompt and generation tokens, finished requests by finish reason,
-and the TTFT / inter-token / end-to-end latency histograms. Read from the engine's stats at each scrape (an
-EngineStats: read from an engine in this process, or the latest one an engine process sent with a step):
-running and waiting requests, KV pages used and total, preemptions.
+Counted as requests go (on the event loop): prompt and generation tokens, finished requests by finish reason
+("abort" too: a client that went away, an engine that failed or closed), and the TTFT / inter-token / end-to-end
+latency histograms. Read from the engine's stats at each scrape (an EngineStats: read from an engine in this
+process, or the latest one an engine process sent with a step): running and waiting requests, KV pages used and
+total, preemptions.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from omnirun.engine import Request, StreamDelta
+from omnirun.engine import FinishReason, Request, StreamDelta
 from omnirun.server.async_engine import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -57,6 +58,8 @@ class ServerMetrics:
         self.requests = Counter(
             "omnirun_requests_finished", "Requests finished, by finish reason", ["finish_reason"], registry=r
         )
+        for reason in FinishReason:  # at 0 from the start, so that a rate over them is defined
+            self.requests.labels(reason.value)
         self.ttft = Histogram(
             "omnirun_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -76,6 +79,7 @@ class ServerMetrics:
         self._last_time: dict[int, float] = {}
         async_engine.on_submit.append(self._submitted)
         async_engine.on_delta.append(self._delta)
+        async_engine.on_abort.append(self._aborted)
 
     def _submitted(self, requests: Sequence[Request]) -> None:
         self.prompt_tokens.inc(sum(len(r.prompt_ids) for r in requests))
@@ -95,6 +99,10 @@ class ServerMetrics:
             self._last_time.pop(request.request_id, None)
             self.requests.labels(delta.finish_reason).inc()
             self.e2e.observe(now - request.arrival_time)
+
+    def _aborted(self, request: Request) -> None:
+        self._last_time.pop(request.request_id, None)
+        self.requests.labels(FinishReason.ABORT.value).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,11 +7,36 @@ Ranges FastAPI cannot express are checked by SamplingParams, whose one-line erro
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# The error types of the checks below (errors.py puts their message first, over the other branches of a union).
+OUR_CHECKS = ("lone_surrogate",)
+
+
+def _no_lone_surrogate(text: str) -> str:
+    """JSON can escape half of a UTF-16 pair alone ("\\ud800"), which Python decodes into a str that no tokenizer
+    (nor UTF-8) can encode: a 400 here, not a 500 deep in the tokenizer."""
+    if text.isascii():  # (a flag of the str: no scan)
+        return text
+    found = _SURROGATE.search(text)
+    if found is not None:
+        where = f"\\u{ord(found.group()):04x} at character {found.start()}"  # (no braces: pydantic formats them)
+        raise PydanticCustomError(
+            "lone_surrogate",
+            f"holds a lone UTF-16 surrogate ({where}), which is no Unicode character: send valid UTF-8, or escape "
+            "both halves of the pair",
+        )
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_lone_surrogate)]
 
 
 class _Request(BaseModel):
@@ -25,14 +50,14 @@ class StreamOptions(_Request):
 class _SamplingFields(_Request):
     """What completions and chat share."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int = -1
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -42,21 +67,27 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>" (no decoding)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
 
+class ContentPart(_Request):
+    type: str
+    text: Text | None = None  # other kinds of part (image_url, ...) are refused by the chat route
+
+
 class ChatMessage(_Request):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    # OpenAI's roles ("function" is its deprecated one); the chat template decides what it makes of each.
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
