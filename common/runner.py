@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from omnirun.attention.backend import AttentionBackend, AttentionContext, HybridAttentionBackend
-from omnirun.attention.registry import attention_factories, choose_backend
+from omnirun.attention.registry import attention_factories, choose_backend, factory_batch_invariant
 from omnirun.batch import ForwardBatch, ForwardMode, HostBatch
 from omnirun.config import RunnerConfig
 from omnirun.distributed.link import WorkerLink
@@ -35,8 +35,8 @@ from omnirun.distributed.weights_group import (
     parse_incoming,
     receive_broadcast,
 )
-from omnirun.errors import DistributedInitError, KVPoolTooSmallError, ModelLoadError, WeightUpdateError
-from omnirun.layers.ops import resolve_ops
+from omnirun.errors import ConfigError, DistributedInitError, KVPoolTooSmallError, ModelLoadError, WeightUpdateError
+from omnirun.layers.ops import deterministic_ops, resolve_ops
 from omnirun.loader import (
     SafetensorsCheckpoint,
     context_length,
@@ -117,7 +117,7 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
         # Without the flag, the most the default allows until the pool is planned and sets it (`plan_kv_pool`).
         self.max_running_requests = config.max_running_requests or DEFAULT_RUNNING_REQUESTS[1]
-        self._attention_choice = self._choose_attention()
+        self.attention_choice = self._choose_attention()
         tp_layout(self.shape, config.tp_size, 0)  # heads and MLP split over --tp-size, or a one-line error now
         if config.max_total_tokens is not None and config.max_total_tokens < self.context_length:
             raise KVPoolTooSmallError(
@@ -132,6 +132,8 @@ class ModelRunner:
             self.tp = self._init_distributed()
             self.layout = tp_layout(self.shape, self.tp.size, self.tp.rank)
             self.ops = resolve_ops(self.platform.fused_ops())  # the layers' kernels and the sampler's argmax
+            if config.deterministic:
+                self.ops = deterministic_ops(self.ops)
             self.model = self._load_model()
             # The graph runner exists before the KV pool so that its memory is taken out of the pool's budget; it
             # captures once the pool and the attention backend exist (the graphs read both).
@@ -284,20 +286,33 @@ class ModelRunner:
         return dataclasses.replace(capped, explanation=f"{capped.explanation} (the smallest rank's: {smallest} pages)")
 
     def _choose_attention(self) -> tuple[str, str]:
-        """The (prefill, decode) attention backends: the user's choice where the platform offers it."""
+        """The (prefill, decode) attention backends: the user's choice where the platform offers it. In
+        deterministic mode only batch-invariant backends are offered, the platform's best of them the default."""
         offered, config = self.platform.attention_backends(), self.config
+        if config.deterministic:
+            factories = attention_factories(self.platform.attention_backend_factories())
+            offered = tuple(name for name in offered if factory_batch_invariant(factories.get(name)))
 
         def choose(mode: str) -> str:
             own = getattr(config, f"{mode}_attention_backend")
             flag = f"--{mode}-attention-backend" if own is not None else "--attention-backend"
-            return choose_backend(
-                own or config.attention_backend,
-                offered,
-                self.platform.default_attention_backend_for(mode, self.dtype),
-                flag,
-            )
+            requested = own or config.attention_backend
+            if not config.deterministic:
+                default = self.platform.default_attention_backend_for(mode, self.dtype)
+                return choose_backend(requested, offered, default, flag)
+            if requested is not None and requested not in offered:
+                raise ConfigError(
+                    f"{flag} {requested!r} is not batch-invariant, which --deterministic needs: choose one of "
+                    f"{', '.join(offered)}, or drop --deterministic"
+                )
+            return requested or offered[0]
 
         return choose("prefill"), choose("decode")
+
+    def _deterministic_note(self) -> str:
+        """What deterministic mode runs, for the log: the attention backends above and this linear."""
+        own = self.ops.linear is self.ops.batch_invariant_linear
+        return f"; deterministic: linear {'the platform batch-invariant kernel' if own else 'fixed row blocks'}"
 
     def _init_attention(self) -> AttentionBackend:
         factories = attention_factories(self.platform.attention_backend_factories())
@@ -309,13 +324,19 @@ class ModelRunner:
             num_kv_heads=self.layout.num_kv_heads,
             head_dim=self.shape.head_dim,
             max_context_len=self.context_length,
+            deterministic=self.config.deterministic,
         )
-        prefill, decode = self._attention_choice
+        prefill, decode = self.attention_choice
         if prefill == decode:
             backend = factories[prefill](context)
         else:
             backend = HybridAttentionBackend(factories[prefill](context), factories[decode](context))
-        logger.info("attention: prefill %s, decode %s", prefill, decode)
+        logger.info(
+            "attention: prefill %s, decode %s%s",
+            prefill,
+            decode,
+            self._deterministic_note() if self.config.deterministic else "",
+        )
         return backend
 
     # --- one step ---
@@ -497,6 +518,7 @@ class ModelRunner:
             "max_running_requests": self.max_running_requests,
             "attention": self.attention.name,
             "graph_runner": type(self.graph_runner).__name__ if self.graph_runner else "eager",
+            "deterministic": self.config.deterministic,
         }
 
     # --- weights from a trainer (RLHF): a process group shared with it, the trainer's rank 0 broadcasting ---

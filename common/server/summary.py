@@ -16,7 +16,7 @@ def engine_description(engine: Any) -> dict[str, Any]:
     child sent them when it was ready)."""
     if isinstance(engine, LLM):
         runner = engine.runner
-        return {**runner.describe(), "deterministic": runner.config.deterministic, "engine": "thread"}
+        return {**runner.describe(), "engine": "thread"}
     return {**engine.description, "engine": "process", "engine_pid": engine.pid}
 
 

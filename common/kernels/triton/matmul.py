@@ -4,10 +4,13 @@ number of rows (deterministic mode's linear layers; vLLM's batch-invariant mode 
 cuBLAS picks its kernel, tiles and split-K by the problem's shape, so a row's result changes with the batch around
 it. Here the tiles are a function of the weight's shape alone (never of the row count): each output element sums
 K in blocks of BLOCK_K, left to right, with the same `tl.dot` shapes, whatever M is and wherever its row falls in
-a tile. No split-K: the reduction of one element never leaves its program.
+a tile. Narrow layers may split K into a fixed number of parts (again by the weight's shape): each part sums its
+blocks in order into a float32 workspace, and the parts are added left to right, so the order stays fixed.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -15,7 +18,7 @@ import triton.language as tl
 
 _INTERPRETING = bool(triton.knobs.runtime.interpret)
 BLOCK_M = 64
-BLOCK_K = 64
+_DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -30,6 +33,8 @@ def _matmul_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_os,
+    k_per_split,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -53,29 +58,56 @@ def _matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    # This program's part of K (all of it without a split): whole blocks, the same for every M.
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
-        mask_k = ks < K
+        mask_k = ks < k_hi
         x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(W + offs_n[None, :] * stride_wn + ks[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(x.to(DOT_TY), w.to(DOT_TY), acc, input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_ptrs = Out + tl.program_id(1) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def block_n(out_features: int) -> int:
-    """Output columns per program, from the weight's shape alone: narrow tiles give a narrow layer enough programs
-    to stream its weight on a large GPU at batch 1, wide ones read x fewer times."""
-    return 32 if out_features <= 8192 else 64
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One weight shape's launch: output columns and K per block, K parts, pipeline stages, warps."""
+
+    block_n: int
+    block_k: int = 64
+    split_k: int = 1
+    num_stages: int = 4
+    num_warps: int = 4
+
+
+def tiles(out_features: int, in_features: int) -> Tiles:
+    """The launch for a weight of this shape, from its shape alone (never from the row count). Swept on an H200
+    over Llama-3-8B's shapes at 1, 32 and 256 rows (bench/batch_invariant_matmul_sweep.py,
+    bench/results_h200_batch_invariant_matmul_sweep.json): wide layers take 128-column tiles; a narrow one with a
+    long K (the MLP's down projection) splits K in two; other narrow ones take 32-column tiles, so that batch 1
+    has enough programs to stream the weight."""
+    if out_features > 8192:
+        return Tiles(block_n=128, block_k=128)
+    if in_features >= 2 * out_features:
+        return Tiles(block_n=128, block_k=128, split_k=2)
+    return Tiles(block_n=32, block_k=128)
 
 
 def batch_invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prepared: object = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    prepared: object = None,
+    *,
+    launch: Tiles | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype; `prepared` is unused (plain weights)."""
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype; `prepared` is unused (plain weights).
+    `launch` replaces the shape's tiles (the tuning sweep)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -83,32 +115,45 @@ def batch_invariant_linear(
         weight = weight.contiguous()
     m, k = rows.shape
     n = weight.shape[0]
+    t = launch or tiles(n, k)
+    blocks_per_split = triton.cdiv(triton.cdiv(k, t.block_k), t.split_k)
+    split = triton.cdiv(triton.cdiv(k, t.block_k), blocks_per_split)  # parts that hold blocks
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m and n:
-        tile_n = block_n(n)
-        grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, tile_n),)
-        # The interpreter's bf16 tl.dot multiplies bit patterns (triton-lang/triton#11584): float32 there.
-        dot_ty = tl.float32 if _INTERPRETING or x.dtype == torch.float32 else tl.bfloat16
-        if x.dtype == torch.float16 and not _INTERPRETING:
-            dot_ty = tl.float16
-        _matmul_kernel[grid](
-            rows,
-            weight,
-            bias if bias is not None else weight,
-            out,
-            m,
-            n,
-            k,
-            rows.stride(0),
-            weight.stride(0),
-            out.stride(0),
-            HAS_BIAS=bias is not None,
-            BLOCK_M=BLOCK_M,
-            BLOCK_N=tile_n,
-            BLOCK_K=BLOCK_K,
-            GROUP_M=8,
-            DOT_TY=dot_ty,
-            num_warps=4,
-            num_stages=4,
-        )
+    if not (m and n):
+        return out.view(*x.shape[:-1], n)
+    # Split parts land in float32 and are summed below; one part writes the output (and adds the bias) itself.
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    # The interpreter's bf16 tl.dot multiplies bit patterns (triton-lang/triton#11584): float32 there.
+    dot_ty = tl.float32 if _INTERPRETING else _DOT_TYPES.get(x.dtype, tl.float32)
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, t.block_n), split)
+    _matmul_kernel[grid](
+        rows,
+        weight,
+        bias if bias is not None and split == 1 else weight,
+        target,
+        m,
+        n,
+        k,
+        rows.stride(0),
+        weight.stride(0),
+        target.stride(-2),
+        target.stride(0) if split > 1 else 0,
+        blocks_per_split * t.block_k,
+        HAS_BIAS=bias is not None and split == 1,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        GROUP_M=8,
+        DOT_TY=dot_ty,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    if split > 1:  # the parts added left to right, the same order for every row; the last add writes the output
+        total = target[0]
+        for part in target[1:-1]:
+            total = total + part
+        if bias is None:
+            torch.add(total, target[-1], out=out)
+        else:
+            torch.add(total + target[-1], bias, out=out)
     return out.view(*x.shape[:-1], n)
