@@ -30,6 +30,8 @@ class PlatformRow:
     graph_capture: str | None
     packages: dict[str, str | None]
     notes: list[str] = dataclasses.field(default_factory=list)  # vendor parts fallen back from, and why
+    # What --deterministic builds: its attention backends (the first is the default) and its linear layers.
+    deterministic: str | None = None
 
 
 def platform_row(platform: Platform) -> PlatformRow:
@@ -59,7 +61,16 @@ def platform_row(platform: Platform) -> PlatformRow:
         row.fused_ops = sorted(platform.fused_ops())
         graph_api = platform.graph_api()
         row.graph_capture = graph_api.name if graph_api is not None else None
+        row.deterministic = _deterministic(platform, row.fused_ops)
     return row
+
+
+def _deterministic(platform: Platform, fused_ops: list[str]) -> str:
+    """The parts the runner's deterministic mode picks from the same answers (runner._choose_attention and
+    layers.ops.deterministic_ops)."""
+    backends = platform.deterministic_attention_backends()
+    linear = "the batch_invariant_linear kernel" if "batch_invariant_linear" in fused_ops else "fixed row blocks"
+    return f"attention {', '.join(backends) or '-'}; linear {linear}"
 
 
 def collect(registry: PlatformRegistry, only: str | None = None) -> list[PlatformRow]:
@@ -131,6 +142,7 @@ def _fields(row: PlatformRow) -> list[tuple[str, str]]:
             ("attention", ", ".join(row.attention_backends) or "-"),
             ("fused ops", ", ".join(row.fused_ops) or "-"),
             ("graphs", row.graph_capture or "-"),
+            ("determinism", row.deterministic or "-"),
         ]
     if row.distributed_backend:
         fields.append(("dist", row.distributed_backend))

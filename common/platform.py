@@ -185,6 +185,11 @@ class Platform:
         free, total = self.device_module.mem_get_info(self.device(index))
         return int(free), int(total)
 
+    def default_kv_cache_bytes(self) -> int | None:
+        """A default KV pool size in bytes, for a device whose memory other work shares (the CPU's host memory);
+        None: the pool is what mem_fraction_static of the device's memory allows, capped by what can use it."""
+        return None
+
     def empty_cache(self) -> None:
         self.device_module.empty_cache()
 
@@ -274,20 +279,26 @@ class Platform:
     def attention_backends(self) -> tuple[str, ...]:
         """Attention backends this device offers, best first: its own, then the portable ones it can run (or,
         with `own_attention_backends_first` False, the portable GPU ones first). torch_native runs everywhere and
-        comes after them, and batch_invariant (slow; on request, or in deterministic mode where nothing better
-        is batch-invariant) last."""
-        from omnirun.attention.batch_invariant import BatchInvariantAttention
+        comes last."""
         from omnirun.attention.registry import portable_backends
         from omnirun.attention.torch_native import TorchNativeAttention
 
         own = tuple(self.attention_backend_factories())
         portable = tuple(name for name in portable_backends(self.capabilities) if name not in own)
-        last = () if BatchInvariantAttention.name in own else (BatchInvariantAttention.name,)
         if self.own_attention_backends_first:
-            return own + portable + last
+            return own + portable
         reference = TorchNativeAttention.name
-        ordered = tuple(n for n in portable if n != reference) + own + tuple(n for n in portable if n == reference)
-        return ordered + last
+        return tuple(n for n in portable if n != reference) + own + tuple(n for n in portable if n == reference)
+
+    def deterministic_attention_backends(self) -> tuple[str, ...]:
+        """What --deterministic may run, best first: the offered backends that declare themselves
+        batch-invariant, then batch_invariant (device-neutral torch, slow, no graphs), which runs everywhere."""
+        from omnirun.attention.batch_invariant import BatchInvariantAttention
+        from omnirun.attention.registry import batch_invariant_backends
+
+        offered = batch_invariant_backends(self.attention_backends(), self.attention_backend_factories())
+        last = () if BatchInvariantAttention.name in offered else (BatchInvariantAttention.name,)
+        return offered + last
 
     def default_attention_backend(self, mode: AttentionMode) -> str:
         """The backend used for prefill or decode when the user names none."""

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from omnirun.attention.backend import AttentionBackend, AttentionContext, HybridAttentionBackend
-from omnirun.attention.registry import attention_factories, choose_backend, factory_batch_invariant
+from omnirun.attention.registry import attention_factories, choose_backend
 from omnirun.batch import ForwardBatch, ForwardMode, HostBatch
 from omnirun.config import RunnerConfig
 from omnirun.distributed.link import WorkerLink
@@ -259,8 +259,7 @@ class ModelRunner:
         """The platform's default KV pool size (the CPU's), unless the user sized the pool with a flag."""
         if self.config.mem_fraction_static is not None or self.config.max_total_tokens is not None:
             return None
-        default = getattr(self.platform, "default_kv_cache_bytes", None)  # not (yet) on every Platform
-        return default() if default is not None else None
+        return self.platform.default_kv_cache_bytes()
 
     def _agree_on_kv_pool(self, plan: KVPoolPlan | None, free: int, total: int) -> KVPoolPlan:
         """Every rank builds the same pool (the schedule on rank 0 addresses all of them): the smallest rank's.
@@ -288,10 +287,9 @@ class ModelRunner:
     def _choose_attention(self) -> tuple[str, str]:
         """The (prefill, decode) attention backends: the user's choice where the platform offers it. In
         deterministic mode only batch-invariant backends are offered, the platform's best of them the default."""
-        offered, config = self.platform.attention_backends(), self.config
-        if config.deterministic:
-            factories = attention_factories(self.platform.attention_backend_factories())
-            offered = tuple(name for name in offered if factory_batch_invariant(factories.get(name)))
+        config = self.config
+        platform = self.platform
+        offered = platform.deterministic_attention_backends() if config.deterministic else platform.attention_backends()
 
         def choose(mode: str) -> str:
             own = getattr(config, f"{mode}_attention_backend")

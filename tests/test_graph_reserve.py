@@ -51,8 +51,9 @@ def checkpoint(tmp_path_factory):
 
 
 def _runner(checkpoint, platform, **flags):
-    # 0.5 of 64 MiB is static: 16 MiB of the 48 free go to the KV pool, less the reserve
-    flags = dict(max_total_tokens=None, mem_fraction_static=0.5, page_size=PAGE, max_running_requests=4, **flags)
+    # 0.5 of 64 MiB is static: 16 MiB of the 48 free go to the KV pool, less the reserve. A token cap above that,
+    # so that memory, not what 4 running requests can fill, sizes the pool.
+    flags = dict(max_total_tokens=1 << 40, mem_fraction_static=0.5, page_size=PAGE, max_running_requests=4, **flags)
     return make_runner(platform, checkpoint, **flags)
 
 

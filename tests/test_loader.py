@@ -592,7 +592,12 @@ def test_context_length_override_below_the_native_length():
     assert context_length(_tiny_config(max_position_embeddings=4096), 1024) == 1024
 
 
-def test_context_length_override_above_the_native_length_warns(caplog):
+def test_context_length_override_above_the_native_length_is_refused_unless_allowed(monkeypatch, caplog):
+    monkeypatch.delenv("OMNIRUN_ALLOW_LONG_CONTEXT", raising=False)
+    with pytest.raises(ConfigError, match="--context-length 8192 exceeds .* 4096: use at most 4096") as excinfo:
+        context_length(_tiny_config(max_position_embeddings=4096), 8192)
+    _one_line_error(excinfo)
+    monkeypatch.setenv("OMNIRUN_ALLOW_LONG_CONTEXT", "true")
     with caplog.at_level(logging.WARNING, logger="omnirun.loader.model_config"):
         assert context_length(_tiny_config(max_position_embeddings=4096), 8192) == 8192
     assert any("8192" in r.getMessage() and "4096" in r.getMessage() for r in caplog.records)

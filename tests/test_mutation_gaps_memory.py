@@ -230,11 +230,13 @@ def _plan(free_bytes: int, **overrides):
     return plan_kv_pool(**{**args, **overrides})
 
 
-def test_the_explanation_of_an_uncapped_pool_ends_with_the_pool():
-    plan = _plan(400 + 201)
+def test_the_explanation_of_a_pool_that_memory_caps_ends_with_the_pool_and_that_cap():
+    plan = _plan(1200 + 201, total_bytes=2000, max_running_requests=3)  # 3 requests could fill 300 tokens
     assert plan.num_tokens == 200
     assert plan.explanation.endswith(
-        "1 B/token -> 201 tokens = 200 pages of 1 + 1 padding page; pool 200 tokens in 200 pages"
+        "1 B/token -> 201 tokens = 200 pages of 1 + 1 padding page; caps in pages: running limit "
+        "--max-running-requests 3 x context length 100: 300, memory (mem_fraction_static 1): 200; "
+        "pool 200 tokens in 200 pages, capped by memory (mem_fraction_static 1)"
     )
 
 

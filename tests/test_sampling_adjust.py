@@ -150,12 +150,12 @@ def test_engine_tokens_follow_the_adjusted_logits(runner, overlap):
     from omnirun.engine import Engine
 
     engine = Engine(runner, eos_token_ids=[EOS], overlap_schedule=overlap)
-    prompt = [54, 261, 370, 414]  # "The model runner": greedily the model repeats itself ([414] * 4 + [459] * 6)
+    prompt = [54, 261, 370, 414]  # "The model runner": greedily the model repeats 340 ten times
     cases = [
         SamplingParams(temperature=0, max_new_tokens=10, frequency_penalty=0.3),
         SamplingParams(temperature=0, max_new_tokens=10, presence_penalty=0.5),
-        SamplingParams(temperature=0, max_new_tokens=10, repetition_penalty=1.5),
-        SamplingParams(temperature=0, max_new_tokens=10, logit_bias={9: 1.5, 414: -100.0}),
+        SamplingParams(temperature=0, max_new_tokens=10, repetition_penalty=2.0),
+        SamplingParams(temperature=0, max_new_tokens=10, logit_bias={9: 1.5, 340: -100.0}),
         SamplingParams(temperature=0, max_new_tokens=10, logit_bias={EOS: 50.0}, min_tokens=5),
         SamplingParams(temperature=0, max_new_tokens=10),
     ]
@@ -163,7 +163,7 @@ def test_engine_tokens_follow_the_adjusted_logits(runner, overlap):
     while engine.has_work:
         engine.step()
     plain = requests[-1].output_ids
-    assert plain == [414] * 4 + [459] * 6
+    assert plain == [340] * 10
     for req, p in zip(requests, cases, strict=True):
         logits = _teacher_forced_logits(runner, prompt, req.output_ids)
         for t, token in enumerate(req.output_ids):

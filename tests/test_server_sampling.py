@@ -68,12 +68,12 @@ def _reference_token(x: torch.Tensor, prompt: list[int], output: list[int], body
     return int(x.argmax())
 
 
-# The model repeats itself greedily from this prompt ([414] * 4 + [459] * 6), which the penalties act on.
+# The model repeats itself greedily from this prompt ([340] * 10), which the penalties act on.
 CASES = {
     "frequency_penalty": {"frequency_penalty": 0.3},
     "presence_penalty": {"presence_penalty": 0.5},
-    "repetition_penalty": {"repetition_penalty": 1.5},
-    "logit_bias": {"logit_bias": {"9": 1.5, "414": -100}},
+    "repetition_penalty": {"repetition_penalty": 2.0},
+    "logit_bias": {"logit_bias": {"9": 1.5, "340": -100}},
     "min_tokens": {"logit_bias": {"1": 30.0}, "min_tokens": 4, "stop_token_ids": [9]},
 }
 

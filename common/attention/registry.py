@@ -31,7 +31,7 @@ _build_triton.batch_invariant = True  # TritonAttention honours AttentionContext
 
 
 # Portable backends: torch_native runs everywhere; triton is offered by the kernels' gate (omnirun.kernels).
-# batch_invariant runs everywhere too, on request or in deterministic mode (see Platform.attention_backends).
+# batch_invariant runs everywhere too, in deterministic mode only (Platform.deterministic_attention_backends).
 BUILTIN_BACKENDS: dict[str, BackendFactory] = {
     TorchNativeAttention.name: TorchNativeAttention,
     TRITON: _build_triton,
@@ -62,6 +62,14 @@ def factory_batch_invariant(factory: BackendFactory | None) -> bool:
     if flag is None and isinstance(factory, functools.partial):
         flag = getattr(factory.func, "batch_invariant", None)
     return flag is True
+
+
+def batch_invariant_backends(
+    offered: tuple[str, ...], platform_factories: Mapping[str, BackendFactory]
+) -> tuple[str, ...]:
+    """Of the backends a platform offers (best first), those deterministic mode may build."""
+    factories = attention_factories(platform_factories)
+    return tuple(name for name in offered if factory_batch_invariant(factories.get(name)))
 
 
 def attention_factories(platform_factories: Mapping[str, BackendFactory]) -> dict[str, BackendFactory]:

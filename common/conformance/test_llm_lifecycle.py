@@ -13,16 +13,19 @@ from omnirun.memory import PagedKVCache
 from omnirun.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+# A cap above any device's memory: the pool is then what the memory probe allows, not what the running limit
+# can fill (or the CPU's default size), so that a runner left open leaves no room for the next.
+WHOLE_MEMORY = {"max_total_tokens": 1 << 40}
 
 
 def test_llms_in_a_row_each_get_the_whole_kv_pool(platform):
-    """Five LLMs sized by the platform's memory probe (no cap), one after another, each closed: every one gets
+    """Five LLMs sized by the platform's memory probe (WHOLE_MEMORY), one after another, each closed: every one gets
     the pool the first got, and the probe shows the memory back after each close()."""
     gc.collect()
     free_at_start = platform.memory_info()[0]
     pools, outputs = [], []
     for _ in range(5):
-        with LLM(device=platform.name, dtype="float32") as llm:
+        with LLM(device=platform.name, dtype="float32", **WHOLE_MEMORY) as llm:
             pools.append(llm.runner.kv.total_tokens)
             pool_bytes = _pool_bytes(llm)
             outputs.append(llm.generate("Hello", GREEDY, use_tqdm=False)[0].token_ids)
@@ -43,10 +46,10 @@ def _pool_bytes(llm: LLM) -> int:
 
 
 def test_a_runner_left_open_is_named_when_the_next_finds_no_room(platform):
-    first = LLM(device=platform.name)
+    first = LLM(device=platform.name, **WHOLE_MEMORY)
     try:
         with pytest.raises(KVPoolTooSmallError, match=r"other runner\(s\) of this process still hold .*close\(\)"):
-            LLM(device=platform.name)
+            LLM(device=platform.name, **WHOLE_MEMORY)
     finally:
         first.close()
     with LLM(device=platform.name) as second:  # and once closed, the memory is there again

@@ -182,6 +182,15 @@ def test_attention_backends(platform, mode):
     assert platform.default_attention_backend(mode) in offered
 
 
+def test_deterministic_attention_backends_are_all_batch_invariant(platform):
+    from omnirun.attention.registry import attention_factories, factory_batch_invariant
+
+    offered = platform.deterministic_attention_backends()
+    assert offered[-1] == "batch_invariant"  # the device-neutral one runs wherever torch does
+    factories = attention_factories(platform.attention_backend_factories())
+    assert all(factory_batch_invariant(factories[name]) for name in offered), offered
+
+
 def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict) -> tuple:
     """Arguments for one op of the table, as the layers pass them (a Qwen-like head size, 5 tokens)."""
     gen = torch.Generator().manual_seed(len(name))

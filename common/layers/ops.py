@@ -20,7 +20,7 @@ class Ops:
     silu_and_mul: Callable[..., Any] = native_ops.silu_and_mul
     rotary_embedding: Callable[..., Any] = native_ops.rotary_embedding
     argmax: Callable[..., Any] = native_ops.argmax  # greedy sampling's pick (the sampler's, not a layer's)
-    # Deterministic mode's linear: each row's result independent of the row count (see layers/batch_invariant.py).
+    # Deterministic mode's linear: each row's result independent of the row count (native_ops has the reference).
     batch_invariant_linear: Callable[..., Any] = native_ops.batch_invariant_linear
 
 
