@@ -5,7 +5,8 @@ those are imported lazily, inside their device package, when that device is prob
 """
 
 from omnirun.errors import DeviceUnavailableError, OmnirunError
-from omnirun.platform import Capabilities, Platform, ProbeResult
+from omnirun.facts import Capabilities, ProbeResult
+from omnirun.platform import Platform
 from omnirun.registry import get_platform, select_platform
 
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from omnirun.graphs import GraphAPI
+from omnirun.facts import GraphAPI
 from omnirun.host_event import HostEvent
 from omnirun.memory import PagedKVCache
 from omnirun.platform import Platform

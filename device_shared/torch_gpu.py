@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 if TYPE_CHECKING:
-    from omnirun.graphs import GraphAPI
+    from omnirun.facts import GraphAPI
 
 
 def torch_gpu_build() -> Literal["cuda", "rocm"] | None:
@@ -45,7 +45,7 @@ def gpu_model_dtypes(bf16: bool) -> tuple[torch.dtype, ...]:
 
 def torch_cuda_graph_api() -> GraphAPI:
     """torch.cuda's graph API: CUDA graphs on NVIDIA, HIP graphs on AMD (named after the build, for reports)."""
-    from omnirun.graphs import GraphAPI
+    from omnirun.facts import GraphAPI
 
     name = "hip_graph" if torch_gpu_build() == "rocm" else "cuda_graph"
     cuda = torch.cuda

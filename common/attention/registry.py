@@ -13,7 +13,7 @@ from omnirun.errors import ConfigError
 from omnirun.kernels import offers_triton
 
 if TYPE_CHECKING:
-    from omnirun.platform import Capabilities
+    from omnirun.facts import Capabilities
 
 BackendFactory = Callable[[AttentionContext], AttentionBackend]
 

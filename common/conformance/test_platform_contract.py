@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from omnirun.distributed import init_distributed, plan_world
+from omnirun.facts import Capabilities
 from omnirun.layers import native_ops
 from omnirun.layers.ops import OP_NAMES, resolve_ops
-from omnirun.platform import Capabilities
 from omnirun.registry import default_registry
 
 MIB = 1 << 20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from omnirun.graphs.decode_graphs import DecodeGraphRunner, GraphAPI, capture_batch_sizes
+from omnirun.facts import GraphAPI
+from omnirun.graphs.decode_graphs import DecodeGraphRunner, capture_batch_sizes
 
 __all__ = ["DecodeGraphRunner", "GraphAPI", "capture_batch_sizes"]

@@ -10,33 +10,21 @@ writing the padding slot 0), lets the attention backend refresh its static metad
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from omnirun.batch import ForwardBatch, ForwardMode
+from omnirun.facts import GraphAPI
 
 if TYPE_CHECKING:
     from omnirun.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class GraphAPI:
-    """How a device captures graphs: torch.cuda.CUDAGraph / torch.cuda.graph / torch.cuda.graph_pool_handle, or
-    the same three of another device module. A platform's `graph_api()` returns one, or None for eager only."""
-
-    name: str  # what `omnirun env` shows: "cuda_graph", "hip_graph", ...
-    new_graph: Callable[[], Any]
-    capture: Callable[..., AbstractContextManager]  # capture(graph, pool=...)
-    new_pool: Callable[[], Any]
 
 
 def capture_batch_sizes(max_batch_size: int) -> list[int]:

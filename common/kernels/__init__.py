@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from omnirun.platform import Capabilities
+    from omnirun.facts import Capabilities
 
 
 def offers_triton(capabilities: Capabilities) -> bool:

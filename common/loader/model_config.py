@@ -11,8 +11,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from omnirun.config import LOAD_FORMATS
 from omnirun.errors import ConfigError, ModelLoadError
+from omnirun.facts import Capabilities
 from omnirun.loader.presets import PRESETS, preset_config
-from omnirun.platform import Capabilities
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from omnirun.errors import ConfigError
-from omnirun.platform import Capabilities
+from omnirun.facts import Capabilities
 
 # Canonical name -> how to get its dtype. fp8 asks the platform, which knows its flavour (e4m3fn or e4m3fnuz).
 _CANONICAL: dict[str, Callable[[torch.dtype, Capabilities], torch.dtype | None]] = {

@@ -15,9 +15,10 @@ import torch
 
 from omnirun.device_shared.ipex_support import IPEX, ipex_notes, ipex_status
 from omnirun.devices.cpu.host_memory import OwnUseTracker, host_memory_info, peak_rss, reset_peak_rss, resident_bytes
+from omnirun.facts import AttentionMode, Capabilities, ProbeResult
 from omnirun.host_event import HostEvent
 from omnirun.memory import PagedKVCache
-from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
+from omnirun.platform import Platform
 
 
 class CpuPlatform(Platform):

@@ -17,9 +17,9 @@ from omnirun.device_shared.torch_gpu import (
     triton_installed,
     visible_devices_note,
 )
-from omnirun.graphs import GraphAPI
+from omnirun.facts import AttentionMode, Capabilities, GraphAPI, ProbeResult
 from omnirun.kernels import offers_triton
-from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
+from omnirun.platform import Platform
 
 # Compute capabilities (major, minor) where a feature starts.
 BF16_MIN_SM = (8, 0)  # Ampere: bf16 tensor cores; older GPUs only emulate bf16, slowly

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from omnirun.graphs import GraphAPI
+from omnirun.facts import GraphAPI
 
 GRAPH_NAME = "npu_graph"
 _capture = threading.local()  # the NpuGraph being captured on this thread, if any

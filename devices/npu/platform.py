@@ -17,7 +17,8 @@ import torch
 from omnirun.attention.backend import HALF_DTYPES
 from omnirun.devices.npu.torch_npu_loader import load_torch_npu
 from omnirun.errors import DeviceUnavailableError
-from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
+from omnirun.facts import AttentionMode, Capabilities, ProbeResult
+from omnirun.platform import Platform
 
 ASCEND = "ascend"
 TORCH_NATIVE = "torch_native"  # the reference backend, and the default for float32 models

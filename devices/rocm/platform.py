@@ -20,9 +20,9 @@ from omnirun.device_shared.torch_gpu import (
     visible_devices_note,
 )
 from omnirun.devices.rocm.gfx_arch import GfxArch, fp8_dtypes, gfx_target, has_bf16
-from omnirun.graphs import GraphAPI
+from omnirun.facts import AttentionMode, Capabilities, GraphAPI, ProbeResult
 from omnirun.kernels import portable_fused_ops
-from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
+from omnirun.platform import Platform
 
 # The HIP runtime honours all three; the first is the one to set.
 VISIBILITY_ENVS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")

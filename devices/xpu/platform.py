@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from omnirun.device_shared.ipex_support import IPEX, ipex_notes, ipex_status
-from omnirun.graphs import GraphAPI
+from omnirun.facts import AttentionMode, Capabilities, GraphAPI, ProbeResult
 from omnirun.kernels import portable_fused_ops
-from omnirun.platform import AttentionMode, Capabilities, Platform, ProbeResult
+from omnirun.platform import Platform
 
 AFFINITY_MASK_ENV = "ZE_AFFINITY_MASK"
 

@@ -145,7 +145,7 @@ def test_window_left_counts_the_keys_before_the_query():
 
 def test_cuda_offers_flashinfer_only_when_installed_and_never_as_default(monkeypatch: pytest.MonkeyPatch):
     from omnirun.devices.cuda import platform as cuda_module
-    from omnirun.platform import Capabilities
+    from omnirun.facts import Capabilities
 
     caps = Capabilities("fake H200", (BF16, torch.float16, torch.float32), FP8, torch.float8_e5m2, True)
     cuda = CudaPlatform()

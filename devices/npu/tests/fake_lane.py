@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from omnirun.devices.npu.platform import NpuPlatform
+from omnirun.facts import ProbeResult
 from omnirun.fake_device import HostStandsInForDevice, use_platform
-from omnirun.platform import ProbeResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_torch_npu sits beside this file
 from fake_torch_npu import make_fake_torch_npu  # noqa: E402

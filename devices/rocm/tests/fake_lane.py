@@ -20,9 +20,8 @@ import torch
 
 from omnirun.attention.backend import HALF_DTYPES
 from omnirun.devices.rocm.platform import AITER, RocmPlatform
+from omnirun.facts import Capabilities, GraphAPI, ProbeResult
 from omnirun.fake_device import HostStandsInForDevice, recording_graph_api, use_platform
-from omnirun.graphs import GraphAPI
-from omnirun.platform import Capabilities, ProbeResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_aiter sits beside this file, outside any package
 from fake_aiter import make_aiter  # noqa: E402

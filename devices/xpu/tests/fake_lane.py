@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 
 from omnirun.devices.xpu.platform import XpuPlatform, xpu_graph_api
+from omnirun.facts import AttentionMode, Capabilities, GraphAPI, ProbeResult
 from omnirun.fake_device import HostStandsInForDevice, RecordingGraph, new_pool, recording_capture, use_platform
-from omnirun.graphs import GraphAPI
-from omnirun.platform import AttentionMode, Capabilities, ProbeResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_ipex sits beside this file, outside any package
 from fake_ipex import install_metadata, make_ipex, matching_version  # noqa: E402

@@ -8,7 +8,7 @@ import torch.distributed
 
 from omnirun.devices.xpu.platform import XpuPlatform
 from omnirun.errors import DeviceUnavailableError
-from omnirun.platform import ProbeResult
+from omnirun.facts import ProbeResult
 from omnirun.registry import default_registry
 
 
