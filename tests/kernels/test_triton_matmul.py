@@ -55,3 +55,23 @@ def test_tiles_follow_the_weight_alone():
     for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (33, 130)):
         launch = tiles(n, k)
         assert launch.block_n in (16, 32, 64, 128, 256) and launch.split_k >= 1
+
+
+def test_float32_weights_take_k_in_smaller_blocks():
+    """bf16's K blocks of 128 at 128 columns need 288 KiB of shared memory in float32: more than an H100 has."""
+    assert tiles(28672, 4096).block_k == 128 and tiles(28672, 4096, element_size=4).block_k == 64
+    assert tiles(4096, 14336, element_size=4).split_k == tiles(4096, 14336).split_k == 2
+
+
+def test_pipeline_stages_shrink_to_the_shared_memory(monkeypatch):
+    import omnirun.kernels.triton.matmul as matmul
+
+    monkeypatch.setattr(matmul, "_INTERPRETING", False)
+    monkeypatch.setattr(matmul, "_shared_memory_bytes", lambda index: 100 * 1024)  # a consumer GPU's 99 KiB + 1
+    gpu = torch.device("cuda", 0)
+    launch = Tiles(block_n=128, block_k=128)  # (64 + 128) x 128 x 2 B = 48 KiB a stage
+    assert matmul._stages_that_fit(launch, 2, gpu) == 3  # two in flight fit, three do not
+    assert matmul._stages_that_fit(Tiles(block_n=32, block_k=64), 2, gpu) == 4  # 12 KiB a stage: as tuned
+    assert matmul._stages_that_fit(launch, 4, gpu) == 2  # never fewer than two
+    monkeypatch.setattr(matmul, "_shared_memory_bytes", lambda index: None)  # a driver that does not say
+    assert matmul._stages_that_fit(launch, 2, gpu) == launch.num_stages

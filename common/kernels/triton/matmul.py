@@ -11,6 +11,7 @@ blocks in order into a float32 workspace, and the parts are added left to right,
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -85,17 +86,36 @@ class Tiles:
     num_warps: int = 4
 
 
-def tiles(out_features: int, in_features: int) -> Tiles:
-    """The launch for a weight of this shape, from its shape alone (never from the row count). Swept on an H200
-    over Llama-3-8B's shapes at 1, 32 and 256 rows (bench/batch_invariant_matmul_sweep.py,
+def tiles(out_features: int, in_features: int, element_size: int = 2) -> Tiles:
+    """The launch for a weight of this shape and element size, from those alone (never from the row count). Swept
+    on an H200 over Llama-3-8B's shapes at 1, 32 and 256 rows in bf16 (bench/batch_invariant_matmul_sweep.py,
     bench/results_h200_batch_invariant_matmul_sweep.json): wide layers take 128-column tiles; a narrow one with a
     long K (the MLP's down projection) splits K in two; other narrow ones take 32-column tiles, so that batch 1
-    has enough programs to stream the weight."""
+    has enough programs to stream the weight. Float32 weights take K in blocks of 64: blocks of 128 need 288 KiB of
+    shared memory at 128 columns, more than an H100 has (227 KiB)."""
+    block_k = 128 if element_size <= 2 else 64
     if out_features > 8192:
-        return Tiles(block_n=128, block_k=128)
+        return Tiles(block_n=128, block_k=block_k)
     if in_features >= 2 * out_features:
-        return Tiles(block_n=128, block_k=128, split_k=2)
-    return Tiles(block_n=32, block_k=128)
+        return Tiles(block_n=128, block_k=block_k, split_k=2)
+    return Tiles(block_n=32, block_k=block_k)
+
+
+def _stages_that_fit(t: Tiles, element_size: int, device: torch.device) -> int:
+    """`t.num_stages`, or fewer where the device's shared memory cannot hold that many tiles of x and W (Triton
+    keeps num_stages - 1 in flight). Stages only pipeline the loads: a row's sums keep their order."""
+    if _INTERPRETING or device.index is None:
+        return t.num_stages
+    limit = _shared_memory_bytes(device.index)
+    per_stage = (BLOCK_M + t.block_n) * t.block_k * element_size
+    return max(2, min(t.num_stages, limit // per_stage + 1)) if limit else t.num_stages
+
+
+@functools.cache
+def _shared_memory_bytes(device_index: int) -> int | None:
+    """Shared memory a program may use on this device, as Triton's driver reports it (None where it does not)."""
+    properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return properties.get("max_shared_mem") if isinstance(properties, dict) else None
 
 
 def batch_invariant_linear(
@@ -115,7 +135,7 @@ def batch_invariant_linear(
         weight = weight.contiguous()
     m, k = rows.shape
     n = weight.shape[0]
-    t = launch or tiles(n, k)
+    t = launch or tiles(n, k, weight.element_size())
     blocks_per_split = triton.cdiv(triton.cdiv(k, t.block_k), t.split_k)
     split = triton.cdiv(triton.cdiv(k, t.block_k), blocks_per_split)  # parts that hold blocks
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -146,7 +166,7 @@ def batch_invariant_linear(
         GROUP_M=8,
         DOT_TY=dot_ty,
         num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        num_stages=_stages_that_fit(t, max(rows.element_size(), weight.element_size()), x.device),
     )
     if split > 1:  # the parts added left to right, the same order for every row; the last add writes the output
         total = target[0]
