@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from omnirun.kernels.triton.gemv import gemv
+from omnirun.devices.cuda.gemv import gemv
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CONFIGS = [

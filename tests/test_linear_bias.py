@@ -53,7 +53,7 @@ def test_cpu_packed_bf16_linear_adds_the_bias(rows):
 
 @pytest.mark.triton
 def test_triton_gemv_linear_adds_the_bias(triton_device):
-    from omnirun.kernels.triton import gemv as triton_gemv
+    from omnirun.devices.cuda import gemv as triton_gemv
 
     x, w, b, expected = _operands(1, torch.bfloat16, triton_device)
     out = triton_gemv.linear(x, w, b)  # one row of bf16: the GEMV's path

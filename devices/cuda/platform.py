@@ -116,8 +116,8 @@ class CudaPlatform(Platform):
         # portable kernels are replaced by the same ones launched with it.
         if not offers_triton(self.capabilities):
             return {}
-        from omnirun.kernels.triton.argmax import TritonArgmax  # imports triton
-        from omnirun.kernels.triton.gemv import skinny_linear_ops
+        from omnirun.devices.cuda.argmax import TritonArgmax  # imports triton
+        from omnirun.devices.cuda.gemv import skinny_linear_ops
         from omnirun.kernels.triton.ops import triton_fused_ops
 
         pdl = self.uses_pdl()

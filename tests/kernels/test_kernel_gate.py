@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the gate hands out its kernels")
 
-from omnirun.kernels.triton import gemv  # noqa: E402
-from omnirun.kernels.triton.argmax import TritonArgmax  # noqa: E402
+from omnirun.devices.cuda import gemv  # noqa: E402
+from omnirun.devices.cuda.argmax import TritonArgmax  # noqa: E402
 from omnirun.platform import Capabilities, Platform, ProbeResult  # noqa: E402
 from omnirun.registry import default_registry  # noqa: E402
 

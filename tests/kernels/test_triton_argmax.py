@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the argmax kernel needs it")
 
-from omnirun.kernels.triton.argmax import TritonArgmax  # noqa: E402
+from omnirun.devices.cuda.argmax import TritonArgmax  # noqa: E402
 from omnirun.layers import native_ops  # noqa: E402
 
 pytestmark = pytest.mark.triton

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed: the GEMV needs it")
 
-from omnirun.kernels.triton.gemv import GEMV_MAX_WEIGHT_ELEMENTS, gemv, linear  # noqa: E402
+from omnirun.devices.cuda.gemv import GEMV_MAX_WEIGHT_ELEMENTS, gemv, linear  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
@@ -31,7 +31,7 @@ def test_gemv_equals_a_float32_matmul_rounded_once(dtype, m, n, k, with_bias):
 
 
 def test_linear_takes_the_gemv_for_one_row_and_torch_otherwise(monkeypatch):
-    import omnirun.kernels.triton.gemv as module
+    import omnirun.devices.cuda.gemv as module
 
     calls = []
     monkeypatch.setattr(module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or F.linear(*a[:3]))

@@ -15,7 +15,8 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < PDL_MIN
     pytest.skip("needs an NVIDIA GPU of compute capability 9.0 or later", allow_module_level=True)
 triton = pytest.importorskip("triton", reason="the Triton kernels need triton")
 
-from omnirun.kernels.triton import gemv, ops  # noqa: E402
+from omnirun.devices.cuda import gemv  # noqa: E402
+from omnirun.kernels.triton import ops  # noqa: E402
 from omnirun.kernels.triton.decode import decode_attention, partial_buffers  # noqa: E402
 from omnirun.kernels.triton.kv_store import rotate_and_store_kv  # noqa: E402
 from omnirun.layers.rotary import cos_sin_table  # noqa: E402

@@ -166,7 +166,8 @@ def test_triton_kernels_launch_with_pdl_from_hopper_on(fake_gpu, monkeypatch, ca
     """Programmatic dependent launch on compute capability 9.0 and later unless OMNIRUN_CUDA_PDL=0: the attention
     backend, the portable fused ops (replaced by the same kernels launched with it) and the GEMV all get it."""
     pytest.importorskip("triton")
-    from omnirun.kernels.triton import gemv, ops
+    from omnirun.devices.cuda import gemv
+    from omnirun.kernels.triton import ops
 
     fake_gpu.capability = capability
     if env is None:
