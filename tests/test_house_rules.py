@@ -195,3 +195,113 @@ def test_lanes_list_test_folders_not_test_files():
     lanes = tomllib.loads((root / "ci" / "lanes.toml").read_text())["lanes"]
     listed = {path for lane in lanes.values() for path in lane["tests"]}
     assert listed and all((root / path).is_dir() for path in listed), sorted(listed)
+
+
+def _runtime_imports(path: Path, package: str, known: set[str]) -> set[str]:
+    """The modules of `known` that `path` imports when it runs (lazy imports in functions included; those under
+    `if TYPE_CHECKING:` left out): `from a.b import c` counts as a.b.c where that is a module, else as a.b."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for node in ast.walk(block)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def import_circles(common: Path = COMMON) -> list[list[str]]:
+    """The import circles among common/'s modules (strongly connected components of more than one module)."""
+    modules: dict[str, Path] = {}
+    for path in common.rglob("*.py"):
+        parts = path.relative_to(common).with_suffix("").parts
+        name = ".".join(("omnirun", *parts[: -1 if parts[-1] == "__init__" else None]))
+        modules[name] = path
+    known = set(modules)
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name] = _runtime_imports(path, package, known) - {name}
+    # Tarjan's algorithm, iteratively (no recursion limit to meet on a large tree).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph[step]))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return sorted(circles)
+
+
+def test_the_facts_are_a_leaf_and_what_needs_only_facts_imports_no_platform():
+    """omnirun.facts imports nothing of ours; KV dtypes, model configs, the kernel gate and the attention registry
+    read facts, not the Platform that builds parts (issue 31: the Platform is no hub of the import graph)."""
+    assert [m for m in _imports_of(COMMON / "facts.py", "omnirun") if m.startswith("omnirun")] == []
+    fact_readers = ["memory/kv_dtype.py", "loader/model_config.py", "kernels/__init__.py", "attention/registry.py"]
+    for rel in fact_readers:
+        imports = _imports_of(COMMON / rel, "omnirun")
+        assert not [m for m in imports if m == "omnirun.platform" or m.startswith("omnirun.platform.")], rel
+
+
+def test_import_circles_shrink_only():
+    """A ratchet while contract v2 lands: facts in a leaf (omnirun.facts) broke the 20-module circle around the
+    Platform. What is left is the fake-lane hook: the registry installs a fake lane (omnirun.fake_device), which
+    registers itself in the registry; it goes once the fake lanes install themselves from test-only code."""
+    assert import_circles() in ([], [["omnirun.fake_device", "omnirun.registry"]])
+
+
+def test_the_circle_finder_finds_a_planted_circle(tmp_path):
+    (tmp_path / "a.py").write_text("from omnirun import b\nimport omnirun.d\n")
+    (tmp_path / "b.py").write_text("def f():\n    from omnirun.c import g\n")
+    (tmp_path / "c.py").write_text("import omnirun.a\n")
+    # d imports a only for type checking: no circle
+    (tmp_path / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import omnirun.a\n")
+    assert import_circles(tmp_path) == [["omnirun.a", "omnirun.b", "omnirun.c"]]
