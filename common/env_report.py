@@ -9,6 +9,9 @@ import textwrap
 
 import torch
 
+from omnirun.assembly import assemble, deterministic_linear
+from omnirun.config import RunnerConfig
+from omnirun.memory.sizing import DEFAULT_RUNNING_REQUESTS
 from omnirun.platform import Platform
 from omnirun.registry import PlatformRegistry
 
@@ -32,6 +35,8 @@ class PlatformRow:
     notes: list[str] = dataclasses.field(default_factory=list)  # vendor parts fallen back from, and why
     # What --deterministic builds: its attention backends (the first is the default) and its linear layers.
     deterministic: str | None = None
+    # What a run with the default flags builds for a model in the device's best dtype (omnirun.assembly).
+    default_run: str | None = None
 
 
 def platform_row(platform: Platform) -> PlatformRow:
@@ -61,16 +66,20 @@ def platform_row(platform: Platform) -> PlatformRow:
         row.fused_ops = sorted(platform.fused_ops())
         graph_api = platform.graph_api()
         row.graph_capture = graph_api.name if graph_api is not None else None
-        row.deterministic = _deterministic(platform, row.fused_ops)
+        row.deterministic = (
+            f"attention {', '.join(platform.deterministic_attention_backends())}; linear "
+            + deterministic_linear(platform)
+        )
+        row.default_run = default_run(platform)
     return row
 
 
-def _deterministic(platform: Platform, fused_ops: list[str]) -> str:
-    """The parts the runner's deterministic mode picks from the same answers (runner._choose_attention and
-    layers.ops.deterministic_ops)."""
-    backends = platform.deterministic_attention_backends()
-    linear = "the batch_invariant_linear kernel" if "batch_invariant_linear" in fused_ops else "fixed row blocks"
-    return f"attention {', '.join(backends) or '-'}; linear {linear}"
+def default_run(platform: Platform) -> str:
+    """What a run with the default flags builds on `platform` for a model in its best dtype, as the runner decides
+    it (`omnirun.assembly.assemble`)."""
+    dtype = platform.capabilities.model_dtypes[0]
+    assembly = assemble(RunnerConfig(model="-"), platform, dtype, DEFAULT_RUNNING_REQUESTS[1])
+    return f"{str(dtype).removeprefix('torch.')}: {assembly.summary()}"
 
 
 def collect(registry: PlatformRegistry, only: str | None = None) -> list[PlatformRow]:
@@ -143,6 +152,7 @@ def _fields(row: PlatformRow) -> list[tuple[str, str]]:
             ("fused ops", ", ".join(row.fused_ops) or "-"),
             ("graphs", row.graph_capture or "-"),
             ("determinism", row.deterministic or "-"),
+            ("default run", row.default_run or "-"),
         ]
     if row.distributed_backend:
         fields.append(("dist", row.distributed_backend))

@@ -151,40 +151,23 @@ class Platform:
         return None
 
     def make_graph_runner(self, runner: Any) -> Any | None:
-        """The decode graph runner over `graph_api()`, or None to run eagerly: also where the runner's decode
-        backend cannot be captured (torch_native reads lengths on the host), so that no graph memory is taken out
-        of the KV pool for graphs that would never be captured. A platform with a further condition overrides
-        this and calls super()."""
-        api = self.graph_api()
-        if api is None or not self.decode_backend_supports_graph(runner):
-            return None
+        """The decode graph runner over `graph_api()`, or None to run eagerly, as `omnirun.assembly` decides: also
+        where the runner's decode backend cannot be captured (torch_native reads lengths on the host), so that no
+        graph memory is taken out of the KV pool for graphs that would never be captured. A platform with a
+        further condition overrides this and calls super()."""
+        from omnirun.assembly import assemble
         from omnirun.graphs import DecodeGraphRunner
 
-        limit = runner.config.max_graph_batch_size or self.max_graph_batch_size
-        max_batch_size = min(runner.max_running_requests, limit)
-        return DecodeGraphRunner(runner, api, max_batch_size=max_batch_size)
+        assembly = assemble(runner.config, self, runner.dtype, runner.max_running_requests)
+        if assembly.graphs is None:
+            return None
+        return DecodeGraphRunner(runner, self.graph_api(), max_batch_size=assembly.graph_max_batch_size)
 
     def decode_attention_backend(self, runner: Any) -> str:
-        """The decode backend `runner` builds: the runner's choice once made (it alone applies --deterministic),
-        else the user's flag, else this platform's default for its dtype."""
-        choice = getattr(runner, "attention_choice", None)
-        if choice is not None:
-            return choice[1]
-        config = runner.config
-        return (
-            config.decode_attention_backend
-            or config.attention_backend
-            or self.default_attention_backend_for("decode", runner.dtype)
-        )
+        """The decode backend `runner` builds (`omnirun.assembly.choose_attention`, which the runner calls too)."""
+        from omnirun.assembly import choose_attention
 
-    def decode_backend_supports_graph(self, runner: Any) -> bool:
-        """Whether the decode backend `runner` builds can run in a captured graph, asked of its factory before it
-        is built (`omnirun.attention.registry.factory_supports_graph`)."""
-        from omnirun.attention.registry import attention_factories, factory_supports_graph
-
-        factory = attention_factories(self.attention_backend_factories()).get(self.decode_attention_backend(runner))
-        # An unknown name is the runner's backend choice to refuse (a one-line error naming the offered ones).
-        return factory is None or factory_supports_graph(factory)
+        return choose_attention(runner.config, self, runner.dtype)[1]
 
     # --- collectives ---
     def bind_rank(self, local_rank: int, ranks_per_node: int) -> int:

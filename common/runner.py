@@ -22,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from omnirun.assembly import assemble
 from omnirun.attention.backend import AttentionBackend, AttentionContext, HybridAttentionBackend
-from omnirun.attention.registry import attention_factories, choose_backend
+from omnirun.attention.registry import attention_factories
 from omnirun.batch import ForwardBatch, ForwardMode, HostBatch
 from omnirun.config import RunnerConfig
 from omnirun.distributed.link import WorkerLink
@@ -35,7 +36,7 @@ from omnirun.distributed.weights_group import (
     parse_incoming,
     receive_broadcast,
 )
-from omnirun.errors import ConfigError, DistributedInitError, KVPoolTooSmallError, ModelLoadError, WeightUpdateError
+from omnirun.errors import DistributedInitError, KVPoolTooSmallError, ModelLoadError, WeightUpdateError
 from omnirun.layers.ops import deterministic_ops, resolve_ops
 from omnirun.loader import (
     SafetensorsCheckpoint,
@@ -117,7 +118,8 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
         # Without the flag, the most the default allows until the pool is planned and sets it (`plan_kv_pool`).
         self.max_running_requests = config.max_running_requests or DEFAULT_RUNNING_REQUESTS[1]
-        self.attention_choice = self._choose_attention()
+        self.assembly = assemble(config, self.platform, self.dtype, self.max_running_requests)
+        self.attention_choice = (self.assembly.prefill_attention, self.assembly.decode_attention)
         tp_layout(self.shape, config.tp_size, 0)  # heads and MLP split over --tp-size, or a one-line error now
         if config.max_total_tokens is not None and config.max_total_tokens < self.context_length:
             raise KVPoolTooSmallError(
@@ -284,34 +286,6 @@ class ModelRunner:
         capped = self._plan_kv_pool(free, total, max_total_tokens=smallest * plan.page_size)
         return dataclasses.replace(capped, explanation=f"{capped.explanation} (the smallest rank's: {smallest} pages)")
 
-    def _choose_attention(self) -> tuple[str, str]:
-        """The (prefill, decode) attention backends: the user's choice where the platform offers it. In
-        deterministic mode only batch-invariant backends are offered, the platform's best of them the default."""
-        config = self.config
-        platform = self.platform
-        offered = platform.deterministic_attention_backends() if config.deterministic else platform.attention_backends()
-
-        def choose(mode: str) -> str:
-            own = getattr(config, f"{mode}_attention_backend")
-            flag = f"--{mode}-attention-backend" if own is not None else "--attention-backend"
-            requested = own or config.attention_backend
-            if not config.deterministic:
-                default = self.platform.default_attention_backend_for(mode, self.dtype)
-                return choose_backend(requested, offered, default, flag)
-            if requested is not None and requested not in offered:
-                raise ConfigError(
-                    f"{flag} {requested!r} is not batch-invariant, which --deterministic needs: choose one of "
-                    f"{', '.join(offered)}, or drop --deterministic"
-                )
-            return requested or offered[0]
-
-        return choose("prefill"), choose("decode")
-
-    def _deterministic_note(self) -> str:
-        """What deterministic mode runs, for the log: the attention backends above and this linear."""
-        own = self.ops.linear is self.ops.batch_invariant_linear
-        return f"; deterministic: linear {'the platform batch-invariant kernel' if own else 'fixed row blocks'}"
-
     def _init_attention(self) -> AttentionBackend:
         factories = attention_factories(self.platform.attention_backend_factories())
         context = AttentionContext(
@@ -329,12 +303,7 @@ class ModelRunner:
             backend = factories[prefill](context)
         else:
             backend = HybridAttentionBackend(factories[prefill](context), factories[decode](context))
-        logger.info(
-            "attention: prefill %s, decode %s%s",
-            prefill,
-            decode,
-            self._deterministic_note() if self.config.deterministic else "",
-        )
+        logger.info("parts: %s", self.assembly.summary())
         return backend
 
     # --- one step ---

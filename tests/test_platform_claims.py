@@ -110,3 +110,34 @@ def test_the_report_lists_the_fused_ops_and_backends_the_platform_returns():
 )
 def test_the_dispatch_key_follows_the_torch_device_type(name, key):
     assert default_registry().get(name).dispatch_key == key
+
+
+def test_env_reports_the_parts_a_default_run_builds(tmp_path):
+    """`omnirun env`'s default run is the assembly a runner with default flags computes (omnirun.assembly), for a
+    model in the device's best dtype: the same backends and graph plan, in the same words."""
+    from omnirun.testing import make_runner, tiny_hf_model
+
+    tiny_hf_model("llama").save_pretrained(tmp_path)
+    platform = CpuPlatform()
+    dtype = platform.capabilities.model_dtypes[0]
+    flags = {"dtype": str(dtype).removeprefix("torch."), "max_total_tokens": None}
+    with contextlib.closing(make_runner(platform, tmp_path, **flags)) as runner:
+        assert platform_row(platform).default_run == f"{flags['dtype']}: {runner.assembly.summary()}"
+        assert runner.attention_choice == (runner.assembly.prefill_attention, runner.assembly.decode_attention)
+    with contextlib.closing(make_runner(platform, tmp_path, deterministic=True, **flags)) as runner:
+        row = platform_row(platform)
+        assert row.deterministic.startswith(f"attention {runner.assembly.decode_attention}")
+        assert row.deterministic.endswith(runner.assembly.deterministic_linear)
+
+
+def test_the_assembly_says_why_decode_runs_eagerly():
+    from omnirun.assembly import assemble
+
+    def why(platform, **flags):
+        config = RunnerConfig(model="stand-in", **flags)
+        return assemble(config, platform, torch.float32, 8).graphs_reason
+
+    assert why(CpuPlatform()) == "cpu has no graph API"
+    assert why(GraphCpu(), disable_graph=True) == "--disable-graph"
+    assert why(GraphCpu(), decode_attention_backend="eager") == "the eager decode backend cannot be captured"
+    assert why(GraphCpu()) == ""  # captured: nothing to explain

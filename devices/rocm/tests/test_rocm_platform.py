@@ -248,7 +248,8 @@ def test_no_graph_runner_when_decode_runs_on_torch_native(fake_gpu, monkeypatch:
     rocm = RocmPlatform()
     assert rocm.make_graph_runner(_runner()) is None  # the default: torch_native
     assert rocm.make_graph_runner(_runner(attention_backend="torch_native")) is None
-    runner = rocm.make_graph_runner(_runner(decode_attention_backend="aiter"))
+    monkeypatch.setattr(rocm_module, "aiter_installed", lambda: True)
+    runner = RocmPlatform().make_graph_runner(_runner(decode_attention_backend="aiter"))
     assert runner is not None and runner.api.name == "hip_graph" and runner.max_batch_size == 8
 
 
