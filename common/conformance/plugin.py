@@ -24,6 +24,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="omnirun platform the conformance suite runs on (default: $OMNIRUN_DEVICE, else what auto picks)",
     )
+    parser.addoption(
+        "--conformance-report",
+        default=None,
+        metavar="PATH",
+        help="write the certificate (versions, device, every test's outcome, what a default run builds) as JSON",
+    )
 
 
 def device_under_test(config: pytest.Config) -> str:
@@ -41,6 +47,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "device(name): needs the named device available; skipped with the probe's reason otherwise"
     )
     config.addinivalue_line("markers", "slow: takes a minute or more on a small CPU (deselect with -m 'not slow')")
+    report = config.getoption("--conformance-report")
+    if report:
+        from omnirun.conformance.report import ConformanceReport
+
+        config.pluginmanager.register(ConformanceReport(report, device_under_test(config)), "omnirun-report")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
