@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from omnirun.attention.registry import attention_factories, choose_backend, factory_supports_graph
+from omnirun.attention.registry import choose_backend
 from omnirun.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -73,18 +73,26 @@ def deterministic_linear(platform: Platform) -> str:
     return "the platform's linear in fixed blocks of rows"
 
 
-def assemble(config: RunnerConfig, platform: Platform, model_dtype: torch.dtype, max_running_requests: int) -> Assembly:
-    """The parts a runner of `config` builds on `platform` for a model computing in `model_dtype`."""
+def assemble(
+    config: RunnerConfig,
+    platform: Platform,
+    model_dtype: torch.dtype,
+    max_running_requests: int,
+    head_dim: int | None = None,
+) -> Assembly:
+    """The parts a runner of `config` builds on `platform` for a model computing in `model_dtype` (`head_dim`:
+    the model's, where a backend's graphs depend on it; None where no model is known, as in `omnirun env`)."""
     prefill, decode = choose_attention(config, platform, model_dtype)
     api = platform.graph_api()
-    factory = attention_factories(platform.attention_backend_factories()).get(decode)
+    offer = platform.attention_offer(decode)
     graphs, max_batch, reason = None, None, ""
     if config.disable_graph:
         reason = "--disable-graph"
     elif api is None:
         reason = f"{platform.name} has no graph API"
-    elif factory is not None and not factory_supports_graph(factory):
-        reason = f"the {decode} decode backend cannot be captured"
+    elif offer is not None and not offer.capturable_for(head_dim):
+        at = "" if head_dim is None else f" at head_dim {head_dim}"
+        reason = f"the {decode} decode backend cannot be captured{at}"
     else:
         graphs = api.name
         max_batch = min(max_running_requests, config.max_graph_batch_size or platform.max_graph_batch_size)

@@ -15,8 +15,11 @@ from typing import Any, Literal
 import torch
 
 # The version of this contract. A platform sets `api_version` to the version it was written for (a literal, not
-# this constant); the registry refuses one written for another. Bump it when a hook changes meaning or signature.
-PLATFORM_API_VERSION = 1
+# this constant). Bump it when a hook changes meaning or signature, keep the previous version loading through shims
+# (with one deprecation warning) for at least one more version, and record the change in docs/platform-contract.md.
+PLATFORM_API_VERSION = 2
+# The versions a plugin may be written for: this one, and the one before it through shims.
+SUPPORTED_API_VERSIONS = (1, 2)
 
 AttentionMode = Literal["prefill", "decode"]
 
@@ -79,3 +82,30 @@ class GraphAPI:
     new_graph: Callable[[], Any]
     capture: Callable[..., AbstractContextManager]  # capture(graph, pool=...)
     new_pool: Callable[[], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOffer:
+    """An attention backend a platform offers, with its limits stated as data (contract version 2): the runner's
+    assembly (omnirun.assembly) decides from these, and `omnirun env` reports them."""
+
+    name: str  # what --attention-backend names
+    build: Callable[[Any], Any]  # an omnirun.attention.AttentionContext -> the AttentionBackend
+    # The model dtypes it computes in; None: every dtype the device computes in.
+    dtypes: tuple[torch.dtype, ...] | None = None
+    # Never a default: built only when the user names it (a backend not yet measured against the default).
+    on_request: bool = False
+    # Whether a decode step on it can be captured as a device graph: a flag, or a function of the model's head_dim
+    # where that decides it. A backend may still refuse when built; the graph runner then runs eagerly.
+    capturable: bool | Callable[[int], bool] = True
+    # Whether it honours deterministic mode (AttentionContext.deterministic): then --deterministic may build it.
+    batch_invariant: bool = False
+
+    def serves(self, dtype: torch.dtype) -> bool:
+        return self.dtypes is None or dtype in self.dtypes
+
+    def capturable_for(self, head_dim: int | None) -> bool:
+        """Capturable for a model of this head_dim (None: not known yet, e.g. in `omnirun env`: as far as known)."""
+        if isinstance(self.capturable, bool):
+            return self.capturable
+        return True if head_dim is None else bool(self.capturable(head_dim))

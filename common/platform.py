@@ -4,8 +4,10 @@ The device-neutral runner talks to a device only through a Platform. A device pa
 sets the identity attributes and `api_version`, implements `_probe()` and `_capabilities()`, and overrides a method
 only where the generic implementation (built on `torch.get_device_module`) is wrong for its device.
 
-What a platform claims is computed from what it builds: graphs from `graph_api()`, attention backends from
-`attention_backends()`, fused ops from `fused_ops()`; `omnirun env` reports those answers, never a separate label.
+A platform states facts and offers parts (`attention_offers()`, `device_fused_ops()`, `graph_api()`, a
+communicator); it is never handed the runner. The runner's assembly (omnirun.assembly) chooses from the offers, and
+`omnirun env` reports the same answers, never a separate label. docs/platform-contract.md lists every hook and the
+version it came in; the hooks of contract version 1 below are shims for plugins written for it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import torch
 from omnirun.errors import DeviceUnavailableError
 
 # The facts live in omnirun.facts; re-exported here, where plugins written for contract version 1 import them.
-from omnirun.facts import PLATFORM_API_VERSION, AttentionMode, Capabilities, GraphAPI, ProbeResult  # noqa: F401
+from omnirun.facts import (  # noqa: F401
+    PLATFORM_API_VERSION,
+    AttentionMode,
+    AttentionOffer,
+    Capabilities,
+    GraphAPI,
+    ProbeResult,
+)
 
 
 class Platform:
@@ -45,9 +54,6 @@ class Platform:
     # bottleneck (H200, 1,000 prompts of 256 -> 256 at 1,024 running: 15.0k output tok/s with graphs up to 1,024,
     # 15.7k with them up to 256; bench/results_h200_offline_bs1024_1000_graphs*.json).
     max_graph_batch_size: ClassVar[int] = 256
-    # Where the device's own attention backends go in `attention_backends()`: first (True), or after the portable
-    # GPU backends (triton) and before torch_native (False: an own backend not yet measured against triton).
-    own_attention_backends_first: ClassVar[bool] = True
 
     @property
     def dispatch_key(self) -> str:
@@ -146,25 +152,26 @@ class Platform:
 
     # --- graphs: one answer, read by the runner and by `omnirun env` alike ---
     def graph_api(self) -> GraphAPI | None:
-        """How this device captures and replays graphs (`omnirun.graphs.GraphAPI`), or None: decode runs eagerly.
-        Override this, not `make_graph_runner`: what `omnirun env` reports about graphs is this answer."""
+        """How this device captures and replays graphs (`omnirun.facts.GraphAPI`), or None: decode runs eagerly.
+        What `omnirun env` reports about graphs is this answer."""
         return None
 
     def make_graph_runner(self, runner: Any) -> Any | None:
-        """The decode graph runner over `graph_api()`, or None to run eagerly, as `omnirun.assembly` decides: also
-        where the runner's decode backend cannot be captured (torch_native reads lengths on the host), so that no
-        graph memory is taken out of the KV pool for graphs that would never be captured. A platform with a
-        further condition overrides this and calls super()."""
+        """Contract version 1 (deprecated: version 2 states graph limits on its attention offers and the runner
+        builds the graph runner): the decode graph runner for `runner`, or None to run eagerly, as
+        `omnirun.assembly` plans it. A version-1 platform with a further condition overrides this and calls
+        super()."""
         from omnirun.assembly import assemble
         from omnirun.graphs import DecodeGraphRunner
 
-        assembly = assemble(runner.config, self, runner.dtype, runner.max_running_requests)
+        head_dim = getattr(getattr(runner, "shape", None), "head_dim", None)
+        assembly = assemble(runner.config, self, runner.dtype, runner.max_running_requests, head_dim)
         if assembly.graphs is None:
             return None
         return DecodeGraphRunner(runner, self.graph_api(), max_batch_size=assembly.graph_max_batch_size)
 
     def decode_attention_backend(self, runner: Any) -> str:
-        """The decode backend `runner` builds (`omnirun.assembly.choose_attention`, which the runner calls too)."""
+        """Contract version 1 (deprecated): the decode backend `runner` builds (`omnirun.assembly`)."""
         from omnirun.assembly import choose_attention
 
         return choose_attention(runner.config, self, runner.dtype)[1]
@@ -199,43 +206,68 @@ class Platform:
         return {}
 
     # --- attention ---
+    def attention_offers(self) -> tuple[AttentionOffer, ...]:
+        """This device's own attention backends, best first, each with its limits as data (contract version 2):
+        flashinfer, aiter, ascend, ipex, or a tuned build of a portable one under the same name. They join the
+        portable backends (omnirun.attention.registry). The default derives them from a version-1 platform's
+        `attention_backend_factories()`."""
+        from omnirun.attention.registry import offer_from_factory
+
+        return tuple(offer_from_factory(name, f) for name, f in self.attention_backend_factories().items())
+
     def attention_backend_factories(self) -> Mapping[str, Callable[..., Any]]:
-        """This device's own attention backends by name (flashinfer, aiter, ...): classes or callables taking an
-        `omnirun.attention.AttentionContext`. They join the portable backends in common/attention."""
+        """Contract version 1 (deprecated; version 2 overrides `attention_offers`): this device's own backends by
+        name, classes or callables taking an `omnirun.attention.AttentionContext`."""
         return {}
 
-    def attention_backends(self) -> tuple[str, ...]:
-        """Attention backends this device offers, best first: its own, then the portable ones it can run (or,
-        with `own_attention_backends_first` False, the portable GPU ones first). torch_native runs everywhere and
-        comes last."""
-        from omnirun.attention.registry import portable_backends
-        from omnirun.attention.torch_native import TorchNativeAttention
+    def all_attention_offers(self) -> tuple[AttentionOffer, ...]:
+        """Every backend a run may build here, best first: the device's own that may be a default, the portable GPU
+        ones (triton), the device's own built only on request, torch_native (runs everywhere), and batch_invariant
+        (device-neutral, for --deterministic where nothing faster is batch-invariant)."""
+        from omnirun.attention.registry import BATCH_INVARIANT_OFFER, portable_offers
 
-        own = tuple(self.attention_backend_factories())
-        portable = tuple(name for name in portable_backends(self.capabilities) if name not in own)
-        if self.own_attention_backends_first:
-            return own + portable
-        reference = TorchNativeAttention.name
-        return tuple(n for n in portable if n != reference) + own + tuple(n for n in portable if n == reference)
+        own = self.attention_offers()
+        names = {offer.name for offer in own}
+        portable = [offer for offer in portable_offers(self.capabilities) if offer.name not in names]
+        reference = [offer for offer in portable if not offer.capturable]  # torch_native reads lengths on the host
+        ordered = (
+            [offer for offer in own if not offer.on_request]
+            + [offer for offer in portable if offer not in reference]
+            + [offer for offer in own if offer.on_request]
+            + reference
+        )
+        if BATCH_INVARIANT_OFFER.name not in names:
+            ordered.append(BATCH_INVARIANT_OFFER)
+        return tuple(ordered)
+
+    def attention_offer(self, name: str) -> AttentionOffer | None:
+        return next((offer for offer in self.all_attention_offers() if offer.name == name), None)
+
+    def attention_backends(self) -> tuple[str, ...]:
+        """The backends a user may name here, best first (batch_invariant only with --deterministic)."""
+        from omnirun.attention.registry import BATCH_INVARIANT_OFFER
+
+        return tuple(o.name for o in self.all_attention_offers() if o is not BATCH_INVARIANT_OFFER)
 
     def deterministic_attention_backends(self) -> tuple[str, ...]:
-        """What --deterministic may run, best first: the offered backends that declare themselves
-        batch-invariant, then batch_invariant (device-neutral torch, slow, no graphs), which runs everywhere."""
-        from omnirun.attention.batch_invariant import BatchInvariantAttention
-        from omnirun.attention.registry import batch_invariant_backends
-
-        offered = batch_invariant_backends(self.attention_backends(), self.attention_backend_factories())
-        last = () if BatchInvariantAttention.name in offered else (BatchInvariantAttention.name,)
-        return offered + last
-
-    def default_attention_backend(self, mode: AttentionMode) -> str:
-        """The backend used for prefill or decode when the user names none."""
-        return self.attention_backends()[0]
+        """What --deterministic may build, best first: the offers that are batch-invariant, batch_invariant last."""
+        return tuple(offer.name for offer in self.all_attention_offers() if offer.batch_invariant)
 
     def default_attention_backend_for(self, mode: AttentionMode, model_dtype: torch.dtype) -> str:
-        """The default for a model computing in `model_dtype` (what the runner asks): the dtype-blind default
-        unless a platform's best backend serves only some dtypes (aiter: bf16/fp16)."""
-        return self.default_attention_backend(mode)
+        """The backend built for prefill or decode when the user names none: the best offer that is not on request
+        and computes in `model_dtype`. A version-1 platform's `default_attention_backend` override still decides."""
+        if type(self).default_attention_backend is not Platform.default_attention_backend:  # contract version 1
+            return self.default_attention_backend(mode)
+        from omnirun.attention.registry import BATCH_INVARIANT_OFFER
+
+        offers = self.all_attention_offers()
+        return next(
+            o.name for o in offers if o is not BATCH_INVARIANT_OFFER and not o.on_request and o.serves(model_dtype)
+        )
+
+    def default_attention_backend(self, mode: AttentionMode) -> str:
+        """Contract version 1 (deprecated): the dtype-blind default; version 2 derives it from the offers."""
+        return self.default_attention_backend_for(mode, self.capabilities.model_dtypes[0])
 
     # --- report ---
     def notes(self) -> tuple[str, ...]:

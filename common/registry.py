@@ -13,6 +13,7 @@ import dataclasses
 import importlib.metadata
 import logging
 import os
+import warnings
 from collections.abc import Iterable
 
 from omnirun.errors import (
@@ -22,7 +23,8 @@ from omnirun.errors import (
     PluginLoadError,
     UnknownDeviceError,
 )
-from omnirun.platform import PLATFORM_API_VERSION, Platform
+from omnirun.facts import PLATFORM_API_VERSION, SUPPORTED_API_VERSIONS
+from omnirun.platform import Platform
 
 ENTRY_POINT_GROUP = "omnirun.platforms"
 DEVICE_ENV_VAR = "OMNIRUN_DEVICE"
@@ -139,12 +141,36 @@ def check_contract(platform: Platform) -> None:
             f"{PLATFORM_API_VERSION}, name, torch_device_type and distributed_backend, and implements _probe() "
             "and _capabilities()"
         )
-    if cls.api_version != PLATFORM_API_VERSION:
+    if cls.api_version not in SUPPORTED_API_VERSIONS:
+        supported = ", ".join(map(str, SUPPORTED_API_VERSIONS))
         raise TypeError(
             f"{cls.__name__} was written for omnirun platform API version {cls.api_version!r}, and this omnirun "
-            f"implements version {PLATFORM_API_VERSION}: install a release of the plugin made for version "
-            f"{PLATFORM_API_VERSION}, or an omnirun that implements version {cls.api_version!r}"
+            f"supports versions {supported}: install a release of the plugin made for one of them, or an omnirun "
+            f"that supports version {cls.api_version!r}"
         )
+    if cls.api_version != PLATFORM_API_VERSION:
+        # Once per class: discovery runs once per process, but tests and tools may check a platform again.
+        if cls not in _warned:
+            _warned.add(cls)
+            warnings.warn(
+                f"{cls.__name__} was written for omnirun platform API version {cls.api_version}, which this omnirun "
+                f"still loads through shims; move it to version {PLATFORM_API_VERSION} (docs/platform-contract.md "
+                "lists what changed): attention_offers() in place of attention_backend_factories() and "
+                "default_attention_backend(), no make_graph_runner(runner)",
+                OmnirunDeprecationWarning,
+                stacklevel=2,
+            )
+
+
+_warned: set[type] = set()
+
+
+class OmnirunDeprecationWarning(DeprecationWarning):
+    """A plugin uses a hook of an older contract version: shown once per platform class, by default too."""
+
+
+# Python hides DeprecationWarnings outside __main__ by default; a vendor must see this one.
+warnings.simplefilter("default", OmnirunDeprecationWarning)
 
 
 def _source(ep: importlib.metadata.EntryPoint) -> str:

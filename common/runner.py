@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from omnirun.assembly import assemble
 from omnirun.attention.backend import AttentionBackend, AttentionContext, HybridAttentionBackend
-from omnirun.attention.registry import attention_factories
 from omnirun.batch import ForwardBatch, ForwardMode, HostBatch
 from omnirun.config import RunnerConfig
 from omnirun.distributed.link import WorkerLink
@@ -37,6 +36,7 @@ from omnirun.distributed.weights_group import (
     receive_broadcast,
 )
 from omnirun.errors import DistributedInitError, KVPoolTooSmallError, ModelLoadError, WeightUpdateError
+from omnirun.graphs import DecodeGraphRunner
 from omnirun.layers.ops import deterministic_ops, resolve_ops
 from omnirun.loader import (
     SafetensorsCheckpoint,
@@ -118,7 +118,7 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
         # Without the flag, the most the default allows until the pool is planned and sets it (`plan_kv_pool`).
         self.max_running_requests = config.max_running_requests or DEFAULT_RUNNING_REQUESTS[1]
-        self.assembly = assemble(config, self.platform, self.dtype, self.max_running_requests)
+        self.assembly = assemble(config, self.platform, self.dtype, self.max_running_requests, self.shape.head_dim)
         self.attention_choice = (self.assembly.prefill_attention, self.assembly.decode_attention)
         tp_layout(self.shape, config.tp_size, 0)  # heads and MLP split over --tp-size, or a one-line error now
         if config.max_total_tokens is not None and config.max_total_tokens < self.context_length:
@@ -139,7 +139,7 @@ class ModelRunner:
             self.model = self._load_model()
             # The graph runner exists before the KV pool so that its memory is taken out of the pool's budget; it
             # captures once the pool and the attention backend exist (the graphs read both).
-            self.graph_runner = None if config.disable_graph else self.platform.make_graph_runner(self)
+            self.graph_runner = self._make_graph_runner()
             self.kv = self._init_kv_memory()
             self.attention = self._init_attention()
             self.sampler = Sampler(self.ops.argmax)
@@ -286,8 +286,19 @@ class ModelRunner:
         capped = self._plan_kv_pool(free, total, max_total_tokens=smallest * plan.page_size)
         return dataclasses.replace(capped, explanation=f"{capped.explanation} (the smallest rank's: {smallest} pages)")
 
+    def _make_graph_runner(self) -> DecodeGraphRunner | None:
+        """The decode graph runner the assembly plans (None: every step eager). A platform of contract version 1
+        that overrides `make_graph_runner(runner)` still decides (deprecated)."""
+        if self.config.disable_graph:
+            return None
+        if type(self.platform).make_graph_runner is not Platform.make_graph_runner:
+            return self.platform.make_graph_runner(self)
+        if self.assembly.graphs is None:
+            return None
+        return DecodeGraphRunner(self, self.platform.graph_api(), max_batch_size=self.assembly.graph_max_batch_size)
+
     def _init_attention(self) -> AttentionBackend:
-        factories = attention_factories(self.platform.attention_backend_factories())
+        offers = {name: self.platform.attention_offer(name) for name in self.attention_choice}
         context = AttentionContext(
             kv=self.kv,
             device=self.device,
@@ -300,9 +311,9 @@ class ModelRunner:
         )
         prefill, decode = self.attention_choice
         if prefill == decode:
-            backend = factories[prefill](context)
+            backend = offers[prefill].build(context)
         else:
-            backend = HybridAttentionBackend(factories[prefill](context), factories[decode](context))
+            backend = HybridAttentionBackend(offers[prefill].build(context), offers[decode].build(context))
         logger.info("parts: %s", self.assembly.summary())
         return backend
 

@@ -12,6 +12,7 @@ import torch
 from omnirun.config import RunnerConfig
 from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.env_report import platform_row, to_table
+from omnirun.facts import AttentionOffer
 from omnirun.graphs import DecodeGraphRunner, GraphAPI
 from omnirun.registry import default_registry
 
@@ -39,8 +40,12 @@ class GraphCpu(CpuPlatform):
     def graph_api(self) -> GraphAPI:
         return STUB_API
 
-    def attention_backend_factories(self):
-        return {"capturable": CapturableBackend, "function": lambda context: None, "eager": _built_eagerly}
+    def attention_offers(self):
+        return (
+            AttentionOffer("capturable", CapturableBackend),
+            AttentionOffer("function", lambda context: None),
+            AttentionOffer("eager", _built_eagerly, capturable=False),
+        )
 
 
 def _runner(

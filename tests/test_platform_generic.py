@@ -77,7 +77,7 @@ class StubDeviceModule:
 class StubPlatform(Platform):
     name = "stub"
     torch_device_type = "cuda"  # any type torch.device parses; the module is the stub
-    api_version = 1
+    api_version = 2
     distributed_backend = "gloo"
 
     def __init__(self, module: StubDeviceModule, probe_calls: str = "device_count"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -106,26 +107,44 @@ def test_auto_prefers_the_plugin_over_cpu(plugins):
     assert json.loads(listed.stdout)["selected"] == expected
 
 
-def test_the_example_device_passes_the_installed_conformance_suite(tmp_path):
+@pytest.mark.parametrize("version", [2, 1], ids=["as-shipped", "contract-v1-copy"])
+def test_the_example_device_passes_the_installed_conformance_suite(tmp_path, version):
     """examples/omnirun-example-device, pip-installed as a vendor would, certified by the suite installed with
-    omnirun (`python -m omnirun.conformance`), run from outside the repository."""
+    omnirun (`python -m omnirun.conformance --report`), run from outside the repository; and a copy of it written
+    for the previous contract version, which loads through shims with one deprecation warning."""
+    example = tmp_path / "example"
+    shutil.copytree(REPO / "examples" / "omnirun-example-device", example, ignore=shutil.ignore_patterns("build"))
+    platform_file = example / "src" / "omnirun_example_device" / "platform.py"
+    shipped = platform_file.read_text()
+    assert "    api_version = 2\n" in shipped
+    platform_file.write_text(shipped.replace("    api_version = 2\n", f"    api_version = {version}\n"))
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(site), str(REPO / "examples" / "omnirun-example-device")],
+         "--target", str(site), str(example)],
         check=True,
     )  # fmt: skip
     listed = run_with([site], "-m", "omnirun.cli", "env", "--device", "exampledev", "--json")
     assert listed.returncode == 0, listed.stderr
     row = json.loads(listed.stdout)["platforms"][0]
     assert row["name"] == "exampledev" and row["fused_ops"] == ["silu_and_mul"]
+    warned = [line for line in listed.stderr.splitlines() if "OmnirunDeprecationWarning" in line]
+    assert len(warned) == (1 if version == 1 else 0), listed.stderr
+    if version == 1:
+        assert "written for omnirun platform API version 1" in warned[0] and "move it to version 2" in warned[0]
 
     # The soaks (marked slow) run in the cpu lane's own pass over the suite.
+    report = tmp_path / "report.json"
     result = run_with(
-        [site], "-m", "omnirun.conformance", "--device", "exampledev", "-q", "-m", "not slow", cwd=tmp_path
+        [site],
+        *("-m", "omnirun.conformance", "--device", "exampledev", "--report", str(report), "-q", "-m", "not slow"),
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+    certificate = json.loads(report.read_text())
+    assert certificate["contract"] == {"omnirun": 2, "platform": version}
+    assert certificate["summary"]["passed"] > 0 and "failed" not in certificate["summary"]
 
 
 def test_broken_plugin_is_loud_and_never_replaced_by_cpu(plugins):

@@ -15,14 +15,15 @@ from omnirun.errors import (
     PluginLoadError,
     UnknownDeviceError,
 )
+from omnirun.facts import SUPPORTED_API_VERSIONS
 from omnirun.platform import PLATFORM_API_VERSION, Capabilities, Platform, ProbeResult
-from omnirun.registry import DEVICE_ENV_VAR, PlatformRegistry
+from omnirun.registry import DEVICE_ENV_VAR, OmnirunDeprecationWarning, PlatformRegistry
 
 
 def make_platform(name: str, available: bool = True, priority: int = 50, reason: str = "") -> type[Platform]:
     class Fake(Platform):
         torch_device_type = "cpu"
-        api_version = 1
+        api_version = 2
         distributed_backend = "gloo"
         auto_priority = priority
 
@@ -144,18 +145,28 @@ def test_entry_point_must_make_a_platform_of_its_own_name():
     assert "names a platform called 'other'" in reg.broken["misnamed"].error
 
 
-def test_plugin_for_another_api_version_is_kept_as_broken_naming_both_versions_and_the_fix():
-    old = make_platform("old")
-    old.api_version = PLATFORM_API_VERSION - 1
-    reg = registry(EntryPoint("cpu", make_platform("cpu")), EntryPoint("old", old, Dist("old-omnirun", "0.1")))
-    assert "old" in reg.broken and "old" not in reg.platforms and "old" in reg.names()
-    message = reg.broken["old"].message()
+@pytest.mark.parametrize("version", [0, 99])
+def test_plugin_for_an_unsupported_api_version_is_kept_as_broken_naming_the_supported_ones(version):
+    other = make_platform("other")
+    other.api_version = version
+    reg = registry(EntryPoint("cpu", make_platform("cpu")), EntryPoint("other", other, Dist("other-omnirun", "0.1")))
+    assert "other" in reg.broken and "other" not in reg.platforms and "other" in reg.names()
+    message = reg.broken["other"].message()
     assert "\n" not in message
-    assert f"platform API version {PLATFORM_API_VERSION - 1}" in message
-    assert f"implements version {PLATFORM_API_VERSION}" in message
-    assert "install a release of the plugin made for version" in message
-    with pytest.raises(PluginLoadError, match="old-omnirun 0.1"):
-        reg.select("old")
+    assert f"platform API version {version}" in message
+    assert f"supports versions {', '.join(map(str, SUPPORTED_API_VERSIONS))}" in message
+    assert "install a release of the plugin made for one of them" in message
+    with pytest.raises(PluginLoadError, match="other-omnirun 0.1"):
+        reg.select("other")
+
+
+def test_plugin_for_the_previous_api_version_loads_with_one_deprecation_warning():
+    previous = make_platform("previous")
+    previous.api_version = PLATFORM_API_VERSION - 1
+    with pytest.warns(OmnirunDeprecationWarning, match="version 1, which this omnirun still loads") as caught:
+        reg = registry(EntryPoint("cpu", make_platform("cpu")), EntryPoint("previous", previous))
+        registry(EntryPoint("previous", previous))  # discovered again in the process: no second warning
+    assert len(caught) == 1 and "previous" in reg.platforms
 
 
 @pytest.mark.parametrize(

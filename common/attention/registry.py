@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from omnirun.attention.backend import AttentionBackend, AttentionContext
 from omnirun.attention.batch_invariant import BatchInvariantAttention
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.errors import ConfigError
+from omnirun.facts import AttentionOffer
 from omnirun.kernels import offers_triton
 
 if TYPE_CHECKING:
@@ -27,23 +28,34 @@ def _build_triton(context: AttentionContext) -> AttentionBackend:
     return TritonAttention(context)
 
 
-_build_triton.batch_invariant = True  # TritonAttention honours AttentionContext.deterministic
-
-
-# Portable backends: torch_native runs everywhere; triton is offered by the kernels' gate (omnirun.kernels).
-# batch_invariant runs everywhere too, in deterministic mode only (Platform.deterministic_attention_backends).
-BUILTIN_BACKENDS: dict[str, BackendFactory] = {
-    TorchNativeAttention.name: TorchNativeAttention,
-    TRITON: _build_triton,
-    BatchInvariantAttention.name: BatchInvariantAttention,
-}
+# Portable backends: torch_native runs everywhere; triton is offered by the kernels' gate (omnirun.kernels);
+# batch_invariant runs everywhere too, for --deterministic (Platform.deterministic_attention_backends).
 
 
 def portable_backends(capabilities: Capabilities) -> tuple[str, ...]:
     """The portable backends a device with these capabilities can run, best first."""
+    return tuple(offer.name for offer in portable_offers(capabilities))
+
+
+def portable_offers(capabilities: Capabilities) -> tuple[AttentionOffer, ...]:
+    """The portable backends as offers: triton where the kernels' gate offers it, torch_native everywhere."""
+    native = AttentionOffer(TorchNativeAttention.name, TorchNativeAttention, capturable=False)
     if offers_triton(capabilities):
-        return (TRITON, TorchNativeAttention.name)
-    return (TorchNativeAttention.name,)
+        return (AttentionOffer(TRITON, _build_triton, batch_invariant=True), native)
+    return (native,)
+
+
+# Device-neutral torch with fixed key blocks: what --deterministic builds where nothing faster is batch-invariant.
+BATCH_INVARIANT_OFFER = AttentionOffer(
+    BatchInvariantAttention.name, BatchInvariantAttention, capturable=False, batch_invariant=True
+)
+
+
+def offer_from_factory(name: str, factory: BackendFactory) -> AttentionOffer:
+    """A contract-version-1 backend factory as an offer: its `supports_graph` and `batch_invariant` flags."""
+    return AttentionOffer(
+        name, factory, capturable=factory_supports_graph(factory), batch_invariant=factory_batch_invariant(factory)
+    )
 
 
 def factory_supports_graph(factory: BackendFactory) -> bool:
@@ -62,19 +74,6 @@ def factory_batch_invariant(factory: BackendFactory | None) -> bool:
     if flag is None and isinstance(factory, functools.partial):
         flag = getattr(factory.func, "batch_invariant", None)
     return flag is True
-
-
-def batch_invariant_backends(
-    offered: tuple[str, ...], platform_factories: Mapping[str, BackendFactory]
-) -> tuple[str, ...]:
-    """Of the backends a platform offers (best first), those deterministic mode may build."""
-    factories = attention_factories(platform_factories)
-    return tuple(name for name in offered if factory_batch_invariant(factories.get(name)))
-
-
-def attention_factories(platform_factories: Mapping[str, BackendFactory]) -> dict[str, BackendFactory]:
-    """The built-ins overlaid with the platform's own (a platform may also replace a built-in with a tuned one)."""
-    return {**BUILTIN_BACKENDS, **platform_factories}
 
 
 def choose_backend(requested: str | None, offered: tuple[str, ...], default: str, flag: str) -> str:

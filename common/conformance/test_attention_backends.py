@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from omnirun.attention.backend import AttentionContext, AttentionLayerSpec
-from omnirun.attention.registry import attention_factories
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.batch import build_batch
 from omnirun.errors import ConfigError
@@ -69,7 +68,6 @@ def _forward(platform, make_backend, shape, model_dtype, kv_dtype, new_lens):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"ps{s[0]}-h{s[1]}/{s[2]}-w{s[3]}")
 def test_every_backend_equals_torch_native(platform, shape):
     names = _backends_under_test(platform)
-    factories = attention_factories(platform.attention_backend_factories())
     model_dtype = platform.capabilities.model_dtypes[0]
     tolerance = 1e-4 if model_dtype == torch.float32 else 3e-2
     for kv_dtype in _kv_dtypes(platform, model_dtype):
@@ -77,7 +75,8 @@ def test_every_backend_equals_torch_native(platform, shape):
             reference = _forward(platform, TorchNativeAttention, shape, model_dtype, kv_dtype, new_lens)
             for name in names:
                 try:
-                    got = _forward(platform, factories[name], shape, model_dtype, kv_dtype, new_lens)
+                    build = platform.attention_offer(name).build
+                    got = _forward(platform, build, shape, model_dtype, kv_dtype, new_lens)
                 except ConfigError as exc:
                     # A backend may refuse an fp8 flavour its kernels cannot read (aiter: no e5m2), at build time
                     # and with the flag that fixes it; the model dtype it must always serve.

@@ -179,16 +179,15 @@ def test_world_size_one_all_reduce(platform):
 def test_attention_backends(platform, mode):
     offered = platform.attention_backends()
     assert "torch_native" in offered  # the reference backend runs on every device
-    assert platform.default_attention_backend(mode) in offered
+    for dtype in platform.capabilities.model_dtypes:  # a default for every dtype, one that computes in it
+        default = platform.attention_offer(platform.default_attention_backend_for(mode, dtype))
+        assert default.name in offered and default.serves(dtype) and not default.on_request
 
 
 def test_deterministic_attention_backends_are_all_batch_invariant(platform):
-    from omnirun.attention.registry import attention_factories, factory_batch_invariant
-
     offered = platform.deterministic_attention_backends()
     assert offered[-1] == "batch_invariant"  # the device-neutral one runs wherever torch does
-    factories = attention_factories(platform.attention_backend_factories())
-    assert all(factory_batch_invariant(factories[name]) for name in offered), offered
+    assert all(platform.attention_offer(name).batch_invariant for name in offered), offered
 
 
 def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict) -> tuple:

@@ -15,14 +15,14 @@ import torch
 
 from omnirun.device_shared.ipex_support import IPEX, ipex_notes, ipex_status
 from omnirun.devices.cpu.host_memory import OwnUseTracker, host_memory_info, peak_rss, reset_peak_rss, resident_bytes
-from omnirun.facts import AttentionMode, Capabilities, ProbeResult
+from omnirun.facts import AttentionOffer, Capabilities, ProbeResult
 from omnirun.host_event import HostEvent
 from omnirun.memory import PagedKVCache
 from omnirun.platform import Platform
 
 
 class CpuPlatform(Platform):
-    api_version = 1
+    api_version = 2
     name = "cpu"
     torch_device_type = "cpu"
     visible_devices_env = None
@@ -114,17 +114,15 @@ class CpuPlatform(Platform):
         return ops
 
     # --- IPEX, where a matching CPU build is installed ---
-    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
+    def attention_offers(self) -> tuple[AttentionOffer, ...]:
+        # torch_native is the default (measured here, bench/results_cpu_*.json); ipex only on request until it is
+        # measured too. IPEX's CPU kernels take float32 as well.
         if not ipex_status("cpu").usable:
-            return {}
+            return ()
         # imports no IPEX until a backend is built
         from omnirun.device_shared.ipex_attention import build_ipex_attention
 
-        return {IPEX: build_ipex_attention("cpu")}
-
-    def default_attention_backend(self, mode: AttentionMode) -> str:
-        # torch_native (measured here, bench/results_cpu_*.json); ipex only on request until it is measured too.
-        return next(name for name in self.attention_backends() if name != IPEX)
+        return (AttentionOffer(IPEX, build_ipex_attention("cpu"), on_request=True),)
 
     def notes(self) -> tuple[str, ...]:
         return ipex_notes("cpu")

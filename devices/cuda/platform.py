@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from omnirun.attention.backend import HALF_DTYPES
 from omnirun.device_shared.torch_gpu import (
     gpu_model_dtypes,
     torch_cuda_graph_api,
@@ -17,7 +18,7 @@ from omnirun.device_shared.torch_gpu import (
     triton_installed,
     visible_devices_note,
 )
-from omnirun.facts import AttentionMode, Capabilities, GraphAPI, ProbeResult
+from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
 from omnirun.kernels import offers_triton
 from omnirun.platform import Platform
 
@@ -46,9 +47,6 @@ def _build_triton(context: Any, pdl: bool) -> Any:
     return TritonAttention(context, decode_num_stages=3, pdl=pdl)
 
 
-_build_triton.batch_invariant = True  # TritonAttention honours AttentionContext.deterministic
-
-
 def _build_flashinfer(context: Any) -> Any:
     from omnirun.devices.cuda.flashinfer_backend import FlashInferAttention  # imports flashinfer: only when chosen
 
@@ -56,7 +54,7 @@ def _build_flashinfer(context: Any) -> Any:
 
 
 class CudaPlatform(Platform):
-    api_version = 1
+    api_version = 2
     name = "cuda"
     torch_device_type = "cuda"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
@@ -64,9 +62,6 @@ class CudaPlatform(Platform):
     extra = "cuda"
     vendor_packages = ("triton", "flashinfer-python")
     auto_priority = 100
-    # flashinfer goes after the portable GPU backends, not first: triton stays the default until flashinfer is
-    # measured to beat it. torch_native stays last.
-    own_attention_backends_first = False
 
     def _probe(self) -> ProbeResult:
         build = torch_gpu_build()
@@ -127,15 +122,13 @@ class CudaPlatform(Platform):
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()
 
-    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
+    def attention_offers(self) -> tuple[AttentionOffer, ...]:
         # triton tuned for NVIDIA GPUs in place of the portable build (same name: it stays the default).
-        factories: dict[str, Callable[..., Any]] = {}
+        offers = []
         if offers_triton(self.capabilities):
-            factories["triton"] = functools.partial(_build_triton, pdl=self.uses_pdl())
+            build = functools.partial(_build_triton, pdl=self.uses_pdl())
+            offers.append(AttentionOffer("triton", build, batch_invariant=True))
         if flashinfer_installed():
-            factories[FLASHINFER] = _build_flashinfer
-        return factories
-
-    def default_attention_backend(self, mode: AttentionMode) -> str:
-        # Only on request for now, also where triton does not run (flashinfer needs nvcc for its first kernels).
-        return next(name for name in self.attention_backends() if name != FLASHINFER)
+            # Only on request until it is measured to beat triton (and it needs nvcc for its first kernels).
+            offers.append(AttentionOffer(FLASHINFER, _build_flashinfer, dtypes=HALF_DTYPES, on_request=True))
+        return tuple(offers)

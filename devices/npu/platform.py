@@ -17,7 +17,7 @@ import torch
 from omnirun.attention.backend import HALF_DTYPES
 from omnirun.devices.npu.torch_npu_loader import load_torch_npu
 from omnirun.errors import DeviceUnavailableError
-from omnirun.facts import AttentionMode, Capabilities, ProbeResult
+from omnirun.facts import AttentionOffer, Capabilities, ProbeResult
 from omnirun.platform import Platform
 
 ASCEND = "ascend"
@@ -42,7 +42,7 @@ VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 
 
 class NpuPlatform(Platform):
-    api_version = 1
+    api_version = 2
     name = "npu"
     torch_device_type = "npu"
     visible_devices_env = VISIBLE_DEVICES_ENV
@@ -102,18 +102,12 @@ class NpuPlatform(Platform):
             )
         return None
 
-    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
-        return {ASCEND: _build_ascend} if self._ascend_missing() is None else {}
-
-    def default_attention_backend(self, mode: AttentionMode) -> str:
-        # Dtype-blind: torch_native serves every model dtype; the runner asks default_attention_backend_for.
-        return TORCH_NATIVE
-
-    def default_attention_backend_for(self, mode: AttentionMode, model_dtype: torch.dtype) -> str:
-        # ascend (ATB) for bf16/fp16 models, as vllm-ascend and SGLang run on Ascend; float32 runs torch_native.
-        if model_dtype in HALF_DTYPES and ASCEND in self.attention_backends():
-            return ASCEND
-        return TORCH_NATIVE
+    def attention_offers(self) -> tuple[AttentionOffer, ...]:
+        # ascend (ATB) is the default for bf16/fp16 models, as vllm-ascend and SGLang run on Ascend; float32 runs
+        # torch_native.
+        if self._ascend_missing() is not None:
+            return ()
+        return (AttentionOffer(ASCEND, _build_ascend, dtypes=HALF_DTYPES),)
 
     def graph_api(self) -> Any:
         # NPU graphs only where a decode step can be captured: on the ascend backend (torch_native reads lengths on

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from omnirun.attention.backend import HALF_DTYPES
 from omnirun.device_shared.torch_gpu import (
     gpu_model_dtypes,
     torch_cuda_graph_api,
@@ -20,7 +21,7 @@ from omnirun.device_shared.torch_gpu import (
     visible_devices_note,
 )
 from omnirun.devices.rocm.gfx_arch import GfxArch, fp8_dtypes, gfx_target, has_bf16
-from omnirun.facts import AttentionMode, Capabilities, GraphAPI, ProbeResult
+from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
 from omnirun.kernels import portable_fused_ops
 from omnirun.platform import Platform
 
@@ -42,7 +43,7 @@ def _build_aiter(context: Any) -> Any:
 
 
 class RocmPlatform(Platform):
-    api_version = 1
+    api_version = 2
     name = "rocm"
     torch_device_type = "cuda"  # ROCm torch keeps the cuda device type and API
     visible_devices_env = VISIBILITY_ENVS[0]
@@ -52,7 +53,6 @@ class RocmPlatform(Platform):
     auto_priority = 100
     # aiter after triton: it computes in bf16/fp16 only, and has never been measured against triton (nor run on an
     # AMD GPU by this project). torch_native last.
-    own_attention_backends_first = False
 
     def _probe(self) -> ProbeResult:
         build = torch_gpu_build()
@@ -95,15 +95,13 @@ class RocmPlatform(Platform):
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()  # HIP graphs, behind torch.cuda
 
-    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
-        return {AITER: _build_aiter} if aiter_installed() else {}
-
-    def default_attention_backend(self, mode: AttentionMode) -> str:
+    def attention_offers(self) -> tuple[AttentionOffer, ...]:
         # aiter only on request, as in vLLM (VLLM_ROCM_USE_AITER) and SGLang (SGLANG_USE_AITER): triton where it
-        # runs, else torch_native, which serve every model dtype, float32 included. default_attention_backend_for
-        # could make it the default for bf16/fp16; it stays on request until it is measured on an MI300 against
-        # triton (FakeRocmPlatform makes it the default for half dtypes).
-        return next(name for name in self.attention_backends() if name != AITER)
+        # runs, else torch_native, is the default. It stays on request until it is measured on an MI300 against
+        # triton (FakeRocmPlatform offers it as the default for half dtypes).
+        if not aiter_installed():
+            return ()
+        return (AttentionOffer(AITER, _build_aiter, dtypes=HALF_DTYPES, on_request=True),)
 
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
         if not aiter_installed():

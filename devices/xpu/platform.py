@@ -8,6 +8,7 @@ last release pins torch 2.10, which has no XPUGraph: on real installs IPEX and X
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -16,8 +17,9 @@ from typing import Any
 
 import torch
 
+from omnirun.attention.backend import HALF_DTYPES
 from omnirun.device_shared.ipex_support import IPEX, ipex_notes, ipex_status
-from omnirun.facts import AttentionMode, Capabilities, GraphAPI, ProbeResult
+from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
 from omnirun.kernels import portable_fused_ops
 from omnirun.platform import Platform
 
@@ -25,7 +27,7 @@ AFFINITY_MASK_ENV = "ZE_AFFINITY_MASK"
 
 
 class XpuPlatform(Platform):
-    api_version = 1
+    api_version = 2
     name = "xpu"
     torch_device_type = "xpu"
     visible_devices_env = AFFINITY_MASK_ENV
@@ -34,7 +36,6 @@ class XpuPlatform(Platform):
     vendor_packages = ("pytorch-triton-xpu", "intel-extension-for-pytorch")
     auto_priority = 80
     # ipex after triton (where triton runs) and before torch_native, the reference, which stays last.
-    own_attention_backends_first = False
 
     def _probe(self) -> ProbeResult:
         if not _torch_has_xpu():
@@ -69,33 +70,22 @@ class XpuPlatform(Platform):
     def graph_api(self) -> GraphAPI | None:
         return xpu_graph_api(torch.xpu)
 
-    def make_graph_runner(self, runner: Any) -> Any | None:
-        # Beyond the base class's check (torch_native cannot be captured): ipex pads head dims that are not a
-        # multiple of 64 through a host sync, so no graph runner (and no graph memory out of the KV pool) there.
-        if self.decode_attention_backend(runner) == IPEX:
-            from omnirun.device_shared.ipex_attention import graph_capturable
-
-            if not graph_capturable("xpu", runner.shape.head_dim):
-                return None
-        return super().make_graph_runner(runner)
-
     # --- attention and fused ops ---
     def _ipex_usable(self) -> bool:
         return ipex_status("xpu").usable
 
-    def attention_backend_factories(self) -> dict[str, Callable[..., Any]]:
-        if not self._ipex_usable():
-            return {}
-        # imports no IPEX until a backend is built
-        from omnirun.device_shared.ipex_attention import build_ipex_attention
-
-        return {IPEX: build_ipex_attention("xpu")}
-
-    def default_attention_backend(self, mode: AttentionMode) -> str:
+    def attention_offers(self) -> tuple[AttentionOffer, ...]:
         # ipex only on request, as flashinfer on cuda and aiter on rocm: it has never run on an Intel GPU here, and
         # it computes in bf16/fp16 only. triton where pytorch-triton-xpu runs (torch's XPU wheels bring it), else
-        # torch_native, which serve every model dtype.
-        return next(name for name in self.attention_backends() if name != IPEX)
+        # torch_native, is the default. IPEX pads head dims that are not a multiple of 64 through a host sync: no
+        # graphs (and no graph memory out of the KV pool) for those.
+        if not self._ipex_usable():
+            return ()
+        # imports no IPEX until a backend is built
+        from omnirun.device_shared.ipex_attention import build_ipex_attention, graph_capturable
+
+        capturable = functools.partial(graph_capturable, "xpu")
+        return (AttentionOffer(IPEX, build_ipex_attention("xpu"), HALF_DTYPES, on_request=True, capturable=capturable),)
 
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
         if not self._ipex_usable():

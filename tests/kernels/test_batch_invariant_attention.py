@@ -13,9 +13,10 @@ import torch
 
 from omnirun.attention.backend import AttentionContext, AttentionLayerSpec
 from omnirun.attention.batch_invariant import BatchInvariantAttention
-from omnirun.attention.registry import attention_factories, factory_batch_invariant
+from omnirun.attention.registry import BATCH_INVARIANT_OFFER, portable_offers
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.batch import build_batch
+from omnirun.facts import Capabilities
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
 from omnirun.testing import fill_prefixes
 
@@ -138,7 +139,6 @@ def test_batch_invariant_decode_equals_prefill():
 
 
 def test_deterministic_mode_offers_the_batch_invariant_backends_only():
-    factories = attention_factories({})
-    assert factory_batch_invariant(factories["batch_invariant"])
-    assert factory_batch_invariant(factories["triton"])
-    assert not factory_batch_invariant(factories[TorchNativeAttention.name])
+    triton, native = portable_offers(Capabilities("test", (torch.float32,), None, None, supports_triton=True))
+    assert BATCH_INVARIANT_OFFER.batch_invariant and triton.batch_invariant
+    assert native.name == TorchNativeAttention.name and not native.batch_invariant

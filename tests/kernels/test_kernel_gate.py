@@ -20,7 +20,7 @@ TRITON_OPS = {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding"}
 class PluginPlatform(Platform):
     """An out-of-tree device: it says nothing about triton beyond its capabilities."""
 
-    api_version = 1
+    api_version = 2
     name = "plugin"
     torch_device_type = "cpu"
     distributed_backend = "gloo"

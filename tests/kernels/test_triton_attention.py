@@ -15,7 +15,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton attention backend needs it")
 
 from omnirun.attention.backend import AttentionContext, AttentionLayerSpec, HybridAttentionBackend, Rotary  # noqa: E402
-from omnirun.attention.registry import attention_factories, portable_backends  # noqa: E402
+from omnirun.attention.registry import portable_backends, portable_offers  # noqa: E402
 from omnirun.attention.torch_native import TorchNativeAttention  # noqa: E402
 from omnirun.batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
 from omnirun.kernels.triton.attention_backend import TritonAttention  # noqa: E402
@@ -231,9 +231,9 @@ def test_registry_offers_triton_only_where_capabilities_say_so():
     assert portable_backends(caps(False)) == ("torch_native",)
     case = CASES[0]
     _, context, _ = make_setup(case, seed=4)
-    factories = attention_factories({})
-    assert isinstance(factories["triton"](context), TritonAttention)
-    assert isinstance(factories["torch_native"](context), TorchNativeAttention)
+    triton, native = portable_offers(caps(True))
+    assert isinstance(triton.build(context), TritonAttention) and triton.capturable
+    assert isinstance(native.build(context), TorchNativeAttention) and not native.capturable
     assert TritonAttention.supports_graph
 
 

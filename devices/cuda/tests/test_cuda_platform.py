@@ -152,7 +152,7 @@ def test_cuda_builds_triton_attention_with_its_tuned_decode_launch(fake_gpu, mon
     monkeypatch.setattr(cuda_module, "flashinfer_installed", lambda: False)
     cuda = CudaPlatform()
     assert cuda.attention_backends() == ("triton", "torch_native")
-    backend = cuda.attention_backend_factories()["triton"](types.SimpleNamespace(deterministic=False))
+    backend = cuda.attention_offer("triton").build(types.SimpleNamespace(deterministic=False))
     assert isinstance(backend, TritonAttention) and backend.name == "triton"
     assert backend._decode_launch["num_stages"] == 3  # the portable default is 2
     assert TritonAttention(types.SimpleNamespace(deterministic=False))._decode_launch["num_stages"] == 2
@@ -177,7 +177,7 @@ def test_triton_kernels_launch_with_pdl_from_hopper_on(fake_gpu, monkeypatch, ca
     monkeypatch.setattr(cuda_module, "flashinfer_installed", lambda: False)
     cuda = CudaPlatform()
     assert cuda.uses_pdl() is pdl
-    assert cuda.attention_backend_factories()["triton"](types.SimpleNamespace(deterministic=False)).pdl is pdl
+    assert cuda.attention_offer("triton").build(types.SimpleNamespace(deterministic=False)).pdl is pdl
     fused = cuda.fused_ops()
     for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "linear"):
         op = fused[name]

@@ -154,7 +154,8 @@ def test_platform_offers_ascend_graphs_and_ops(fake_npu):
     assert fake_npu.attention_backends() == ("ascend", "torch_native")
     assert fake_npu.default_attention_backend_for("decode", torch.bfloat16) == "ascend"
     assert fake_npu.default_attention_backend_for("decode", torch.float32) == "torch_native"
-    assert fake_npu.default_attention_backend("prefill") == "torch_native"
+    best = fake_npu.capabilities.model_dtypes[0]  # the deprecated dtype-blind default: the best dtype's
+    assert fake_npu.default_attention_backend("prefill") == fake_npu.default_attention_backend_for("prefill", best)
     assert fake_npu.graph_api().name == "npu_graph"
     assert set(fake_npu.fused_ops()) == {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding"}
     assert "ascend attention and NPU graphs" in fake_npu.notes()[0]
@@ -175,7 +176,7 @@ def test_without_torch_npu_nothing_vendor(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, p=None: None if n == "torch_npu" else real(n, p))
     platform = _lane().FakeNpuPlatform()
-    assert platform.attention_backend_factories() == {} and platform.graph_api() is None
+    assert platform.attention_offers() == () and platform.graph_api() is None
     assert platform.device_fused_ops() == {}
     assert NpuPlatform().notes() == ()  # unavailable: the probe's reason says why
 

@@ -16,11 +16,8 @@ import sys
 import types
 from pathlib import Path
 
-import torch
-
-from omnirun.attention.backend import HALF_DTYPES
-from omnirun.devices.rocm.platform import AITER, RocmPlatform
-from omnirun.facts import Capabilities, GraphAPI, ProbeResult
+from omnirun.devices.rocm.platform import RocmPlatform
+from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
 from omnirun.fake_device import HostStandsInForDevice, recording_graph_api, use_platform
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_aiter sits beside this file, outside any package
@@ -47,10 +44,9 @@ class FakeRocmPlatform(HostStandsInForDevice, RocmPlatform):
         # (and a recorded graph cannot replay them); aiter and torch_native are what this lane exercises.
         return dataclasses.replace(super()._capabilities(), supports_triton=False)
 
-    def default_attention_backend_for(self, mode, model_dtype: torch.dtype) -> str:
-        if model_dtype in HALF_DTYPES and AITER in self.attention_backends():
-            return AITER
-        return super().default_attention_backend_for(mode, model_dtype)
+    def attention_offers(self) -> tuple[AttentionOffer, ...]:
+        # This lane's choice: aiter as the default wherever it computes (bf16/fp16), not only on request.
+        return tuple(dataclasses.replace(offer, on_request=False) for offer in super().attention_offers())
 
     def graph_api(self) -> GraphAPI:
         # HIP graphs are torch's own (torch.cuda.CUDAGraph on a ROCm build), not a vendor module to fake: the

@@ -219,7 +219,7 @@ def _runner(dtype=torch.bfloat16, **config):
 def test_without_aiter_the_portable_parts_only(fake_gpu, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(rocm_module, "aiter_installed", lambda: False)
     rocm = RocmPlatform()
-    assert rocm.attention_backend_factories() == {}
+    assert rocm.attention_offers() == ()
     assert rocm.attention_backends() == ("triton", "torch_native")
     assert rocm.default_attention_backend("decode") == rocm.default_attention_backend_for("decode", torch.bfloat16)
     assert rocm.default_attention_backend("decode") == "triton"

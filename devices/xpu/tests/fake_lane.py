@@ -18,10 +18,8 @@ import tempfile
 import types
 from pathlib import Path
 
-import torch
-
 from omnirun.devices.xpu.platform import XpuPlatform, xpu_graph_api
-from omnirun.facts import AttentionMode, Capabilities, GraphAPI, ProbeResult
+from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
 from omnirun.fake_device import HostStandsInForDevice, RecordingGraph, new_pool, recording_capture, use_platform
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_ipex sits beside this file, outside any package
@@ -60,11 +58,9 @@ class FakeXpuPlatform(HostStandsInForDevice, XpuPlatform):
     def graph_api(self) -> GraphAPI | None:
         return xpu_graph_api(RECORDING_XPU_GRAPHS)
 
-    def default_attention_backend_for(self, mode: AttentionMode, model_dtype: torch.dtype) -> str:
-        # This lane's choice (see the module docstring): ipex wherever it computes (bf16/fp16).
-        if model_dtype in (torch.bfloat16, torch.float16) and "ipex" in self.attention_backends():
-            return "ipex"
-        return super().default_attention_backend_for(mode, model_dtype)
+    def attention_offers(self) -> tuple[AttentionOffer, ...]:
+        # This lane's choice (see the module docstring): ipex as the default wherever it computes (bf16/fp16).
+        return tuple(dataclasses.replace(offer, on_request=False) for offer in super().attention_offers())
 
 
 def install() -> None:

@@ -23,10 +23,10 @@ DISABLE_ENV = "OMNIRUN_EXAMPLEDEV_DISABLE"
 
 
 class ExampleDevicePlatform(Platform):
-    # 1. Identity: the contract version this was written for (omnirun.platform.PLATFORM_API_VERSION, as a literal:
-    # omnirun refuses a plugin written for another), what the user types, the torch device type its tensors live
-    # on, and the collective backend.
-    api_version = 1
+    # 1. Identity: the contract version this was written for (omnirun.facts.PLATFORM_API_VERSION, as a literal:
+    # omnirun loads the previous version with a deprecation warning and refuses others; docs/platform-contract.md),
+    # what the user types, the torch device type its tensors live on, and the collective backend.
+    api_version = 2
     name = "exampledev"
     torch_device_type = "cpu"
     distributed_backend = "gloo"
@@ -87,8 +87,8 @@ class ExampleDevicePlatform(Platform):
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
         return {"silu_and_mul": compiled_silu_and_mul()}
 
-    # (7. attention_backend_factories() and 8. graph_api() are optional: without them the runner uses torch_native
-    # attention and runs every step eagerly.)
+    # (7. attention_offers() and 8. graph_api() are optional: without them the runner uses torch_native attention
+    # and runs every step eagerly.)
 
     @property
     def _memory(self) -> FixedSizeMemory:
