@@ -6,9 +6,13 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from omnirun.errors import OmnirunError
 from omnirun.registry import DEVICE_ENV_VAR
+
+if TYPE_CHECKING:
+    from omnirun.platform import Platform
 
 
 def _add_device_flag(parser: argparse.ArgumentParser) -> None:
@@ -54,20 +58,21 @@ def _sampling_params(args: argparse.Namespace):
     )
 
 
-def _model_and_device(args: argparse.Namespace) -> str:
-    """Fail on an unusable --device (or $OMNIRUN_DEVICE) before anything loads; the model to load."""
+def _model_and_device(args: argparse.Namespace) -> tuple[str, Platform]:
+    """The model to load and the Platform of --device (or $OMNIRUN_DEVICE, or auto), resolved once here: an
+    unusable device fails before anything loads."""
     from omnirun.registry import select_platform
 
-    select_platform(args.device)
+    platform = select_platform(args.device)
     if args.model is None:
         from omnirun.assets.default_model import default_model_dir
 
-        return default_model_dir()
+        return default_model_dir(), platform
     from omnirun.loader import load_model_config
 
     # A missing model directory (or config.json) is the first thing to say, before what it lacks (a tokenizer).
     load_model_config(args.model, args.load_format or "auto")
-    return args.model
+    return args.model, platform
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -81,10 +86,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"--stream prints one prompt as it is generated, got {len(prompts)} prompts: give one --prompt"
         )
     params = _sampling_params(args)
-    model = _model_and_device(args)
+    model, platform = _model_and_device(args)
     if tokenizer_dir(args.tokenizer, model) is None:
         raise OmnirunError(f"{model} has no tokenizer for text prompts: pass --tokenizer <HF tokenizer dir>")
-    with LLM(model, **llm_kwargs(args)) as llm:
+    with LLM(model, **{**llm_kwargs(args), "device": platform}) as llm:
         if args.stream:
             for delta in llm.stream(prompts[0], params):
                 print(delta.text, end="", flush=True)
@@ -113,8 +118,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise OmnirunError(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise OmnirunError(f"--json {args.json}: its folder does not exist; create it or name another file")
-    model = _model_and_device(args)
-    kwargs = llm_kwargs(args)
+    model, platform = _model_and_device(args)
+    kwargs = {**llm_kwargs(args), "device": platform}
     kwargs.setdefault("max_running_requests", args.batch_size)
     with LLM(model, **kwargs) as llm:
         result = run_bench(

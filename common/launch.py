@@ -39,7 +39,7 @@ def start_runner(config: RunnerConfig, platform: Platform | None = None) -> Mode
     rank 0 until it closes and then raises SystemExit(0): only rank 0 returns."""
     if not config.distributed:
         return ModelRunner(config, platform)
-    platform = platform if platform is not None else select_platform(config.device)
+    platform = platform if platform is not None else select_platform(config.device)  # library callers
     platform.require_available()
     # What can be checked from the flags and config.json is checked before any process starts.
     tp_layout(decoder_shape(load_model_config(config.model, config.load_format)), config.tp_size, 0)
@@ -95,9 +95,7 @@ def _join_and_build(
         if failure is exc:
             raise
         raise failure from exc
-    runner._owns_process_group = True  # closing the runner leaves the group this start-up joined
-    if link is not None:
-        runner.workers = link
+    runner.own_process_group(link)
     return runner, channel
 
 

@@ -149,6 +149,12 @@ class ModelRunner:
             self.close()  # what a failed start-up allocated goes back at once, not when the runner is collected
             raise
 
+    def own_process_group(self, workers: WorkerLink | None) -> None:
+        """The launcher hands over what its start-up joined: from now on close() shuts `workers` (rank 0's link
+        to the other ranks; None elsewhere) down and leaves the process group."""
+        self._owns_process_group = True
+        self.workers = workers
+
     # --- start-up ---
     def _init_distributed(self) -> TensorParallel:
         """The tensor-parallel group: the world a launcher joined (every rank of it holds a part of the model), or

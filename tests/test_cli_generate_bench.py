@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from omnirun.cli import main
 from omnirun.engine import LLM
 from omnirun.sampling import SamplingParams
@@ -106,3 +108,30 @@ def test_bench_table_rows_are_aligned():
             assert value.strip() and " " not in value.strip() and value[-1] != " ", row
             assert row[31:33] == "  " and row[33] != " ", row
     assert "  prefix cache            61.5%  hit rate: 64 prompt tokens cached, 40 computed" in format_result(_result())
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["bench", "--batch-size", "2"]])
+def test_the_device_is_resolved_once_and_the_runner_gets_that_platform(command, monkeypatch, capsys):
+    """--device is resolved at the edge (the CLI) and the Platform object is passed down to LLM, the launcher and
+    the runner: nothing on the way asks the registry again."""
+    from omnirun.registry import PlatformRegistry
+    from omnirun.runner import ModelRunner
+
+    selected, built_on = [], []
+    select, init = PlatformRegistry.select, ModelRunner.__init__
+
+    def counting_select(self, device=None):
+        selected.append(select(self, device))
+        return selected[-1]
+
+    def recording_init(self, config, platform=None, **kwargs):
+        built_on.append(platform)
+        init(self, config, platform, **kwargs)
+
+    monkeypatch.setattr(PlatformRegistry, "select", counting_select)
+    monkeypatch.setattr(ModelRunner, "__init__", recording_init)
+    flags = ["--device", "cpu", "--max-new-tokens", "2"] if command[0] == "generate" else ["--device", "cpu"]
+    if command[0] == "bench":
+        flags += ["--input-len", "4", "--output-len", "2"]
+    assert main([*command, *flags]) == 0
+    assert len(selected) == 1 and built_on == selected

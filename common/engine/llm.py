@@ -24,6 +24,8 @@ from omnirun.engine.request import RequestOutput
 from omnirun.engine.tokenizer import load_tokenizer, tokenizer_dir
 from omnirun.errors import ConfigError, EngineClosedError
 from omnirun.launch import start_runner
+from omnirun.platform import Platform
+from omnirun.registry import select_platform
 from omnirun.runner import ModelRunner
 from omnirun.sampling import SamplingParams
 
@@ -54,6 +56,12 @@ class LLM:
 
             model = default_model_dir()
             logger.info("no model given: running the embedded default model (random weights, nonsense text)")
+        # --device is resolved here, once (a name, $OMNIRUN_DEVICE or auto), unless the caller resolved it already
+        # and passes the Platform; the runner and the launcher use this object.
+        platform = flags.pop("device") if isinstance(flags.get("device"), Platform) else None
+        if platform is None:
+            platform = select_platform(flags.get("device"))
+        flags["device"] = platform.name
         runner_flags = {k: v for k, v in flags.items() if k in _RUNNER_FLAGS}
         engine_flags = {k: v for k, v in flags.items() if k in _ENGINE_FLAGS}
         for name in ("max_prefill_tokens", "chunked_prefill_size"):
@@ -68,7 +76,7 @@ class LLM:
         self.tokenizer = load_tokenizer(source) if source is not None else None
         # One device, or rank 0 of a tensor-parallel group (under torchrun, other ranks serve inside this call and
         # then exit the process: only rank 0 gets past it).
-        self.runner = start_runner(config)
+        self.runner = start_runner(config, platform)
         try:
             self.engine = Engine(
                 self.runner,

@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise OmnirunError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if args.api_key is not None and not args.api_key:
         raise OmnirunError("--api-key is empty: give a key, or leave the flag out for no key")
-    select_platform(args.device)  # an unusable device fails here, in one line, before anything loads
+    platform = select_platform(args.device)  # an unusable device fails here, in one line, before anything loads
     model = args.model
     if model is None:
         from omnirun.assets.default_model import default_model_dir
@@ -84,8 +84,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     logging.getLogger("omnirun.server").setLevel(args.log_level.upper())  # (the start-up line is at info)
     served_name = args.served_model_name or (args.model or "default")
-    engine_kind = LLM if args.engine_in_thread else EngineProcess
-    with engine_kind(model, **llm_kwargs(args)) as engine:
+    # In a thread the engine uses the Platform resolved above; a spawned engine process resolves its name again.
+    kwargs = llm_kwargs(args)
+    if args.engine_in_thread:
+        engine = LLM(model, **{**kwargs, "device": platform})
+    else:
+        engine = EngineProcess(model, **{**kwargs, "device": platform.name})
+    with engine:
         app = create_app(
             engine,
             served_model_name=served_name,
