@@ -59,7 +59,8 @@ mv common omnirun
 mv devices omnirun/devices
 rm -rf bench ci tools .ci .github README.md
 selected=()
-for test in "${MUTATION_TESTS[@]}" tests/test_mutation_gaps_*.py; do  # (the tests written for survivors)
+# (then the tests written for survivors)
+for test in "${MUTATION_TESTS[@]}" tests/test_{weight_updates_tied_and_reads,sampling_params_checks,safetensors_index_errors,kv_bookkeeping,scheduler_limits,layer_details,tp_weights_in_process}.py; do
     if [[ -e "${test%%::*}" ]]; then selected+=("$test"); fi
 done
 

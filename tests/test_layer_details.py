@@ -1,4 +1,4 @@
-"""Layer details the mutation run found unchecked."""
+"""Layer details: rotary parameters, norms and the other small cases of the layers."""
 
 from __future__ import annotations
 

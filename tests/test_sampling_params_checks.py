@@ -1,4 +1,4 @@
-"""SamplingParams checks the mutation run found unpinned: token id 0 is a valid stop token, booleans are not
+"""SamplingParams checks: token id 0 is a valid stop token, booleans are not
 numbers, and the max_new_tokens error says what to pass."""
 
 from __future__ import annotations

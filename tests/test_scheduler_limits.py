@@ -1,4 +1,4 @@
-"""Scheduler cases the mutation run found unchecked: the length limit counts tokens still on the device, and
+"""Scheduler limits: the length limit counts tokens still on the device, and
 prompt chunks that end inside a page take only the pages they newly touch."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weight updates and reads the mutation run found unchecked: an update of a tied model whose checkpoint holds the
+"""Weight updates and reads: an update of a tied model whose checkpoint holds the
 skipped tensors (the tied lm_head, rotary inv_freq) in the middle goes on past them; read_weight returns a copy of
 the right rows and names what it cannot read."""
 

@@ -1,4 +1,4 @@
-"""Memory bookkeeping the mutation run found unchecked: which bad page id an error names, release_all, a request
+"""KV memory bookkeeping: which bad page id an error names, release_all, a request
 row's in-use flag at the ends of the range, and the bytes of live KV caches a host probe subtracts."""
 
 from __future__ import annotations

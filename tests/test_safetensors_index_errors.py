@@ -1,5 +1,4 @@
-"""A safetensors index whose weight_map is not a map of tensor names to file names is one clear error (the
-mutation run found the type check unpinned)."""
+"""A safetensors index whose weight_map is not a map of tensor names to file names is one clear error."""
 
 from __future__ import annotations
 
