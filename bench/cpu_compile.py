@@ -2,7 +2,7 @@
 of graph runner (issue 16): the same engine, the same requests, decode steps timed eager and then with the runner's
 model call (`ModelRunner.run_model`, what a device graph captures) through torch.compile.
 
-    python bench/cpu_compile.py --preset qwen2.5-0.5b --batch-sizes 1 8 --json bench/results_cpu_compile.json
+    python bench/cpu_compile.py --preset qwen2.5-0.5b --batch-sizes 1 8 --json bench/results/cpu_compile.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Multi-turn chat with and without the prefix cache: each turn resends the whole conversation so far.
 
     python bench/multi_turn.py --preset llama-3-8b --device cuda --conversations 64 --turns 6 \
-        --system-len 512 --user-len 128 --output-len 128 --json bench/results_h200_multi_turn.json
+        --system-len 512 --user-len 128 --output-len 128 --json bench/results/h200_multi_turn.json
 
 Every conversation starts from its own system prompt; each turn appends `--user-len` new random tokens to the
 history (system prompt, earlier user turns and the model's answers) and generates `--output-len` tokens; all

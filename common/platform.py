@@ -52,7 +52,7 @@ class Platform:
     # Decode batches above this run eagerly unless --max-graph-batch-size says otherwise: capturing more sizes
     # costs start-up time and pool memory (taken from the KV pool), and there the device, not the launches, is the
     # bottleneck (H200, 1,000 prompts of 256 -> 256 at 1,024 running: 15.0k output tok/s with graphs up to 1,024,
-    # 15.7k with them up to 256; bench/results_h200_offline_bs1024_1000_graphs*.json).
+    # 15.7k with them up to 256; bench/results/h200_offline_bs1024_1000_graphs*.json).
     max_graph_batch_size: ClassVar[int] = 256
 
     @property

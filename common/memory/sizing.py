@@ -11,7 +11,7 @@ _REQ_TO_TOKEN_ENTRY_BYTES = 4  # the request-to-token table is int32
 # Without --max-running-requests, as many requests run at once as the pool holds at DEFAULT_TOKENS_PER_REQUEST
 # tokens each, between the bounds. Llama-3-8B on an H200 holds ~836k tokens, so 1,024: 1,000 prompts of 256 -> 256
 # ran at 15,911 output tok/s there against 14,370 with 256 running
-# (bench/results_h200_offline_bs{256,1024}_1000_f81960b.json). A small device keeps 256. The table is sized for the
+# (bench/results/h200_offline_bs{256,1024}_1000_f81960b.json). A small device keeps 256. The table is sized for the
 # upper bound while the pool is planned, and the pool is capped at what that bound's requests can fill.
 DEFAULT_RUNNING_REQUESTS = (256, 1024)
 DEFAULT_TOKENS_PER_REQUEST = 512

@@ -115,7 +115,7 @@ class CpuPlatform(Platform):
 
     # --- IPEX, where a matching CPU build is installed ---
     def attention_offers(self) -> tuple[AttentionOffer, ...]:
-        # torch_native is the default (measured here, bench/results_cpu_*.json); ipex only on request until it is
+        # torch_native is the default (measured here, bench/results/cpu_*.json); ipex only on request until it is
         # measured too. IPEX's CPU kernels take float32 as well.
         if not ipex_status("cpu").usable:
             return ()

@@ -43,7 +43,7 @@ def _build_triton(context: Any, pdl: bool) -> Any:
 
     # Three pipeline stages for the decode kernel's K/V loads: on an H200 they took up to 8 % less time than two in
     # 14 of the 15 cases swept (batches of 1-512 at 192-2,048 tokens; 0.4 % more at 512 x 192;
-    # bench/results_h200_decode_tuning.json). The portable default stays at two, what fits AMD's 64 KiB of LDS.
+    # bench/results/h200_decode_tuning.json). The portable default stays at two, what fits AMD's 64 KiB of LDS.
     return TritonAttention(context, decode_num_stages=3, pdl=pdl)
 
 

@@ -66,7 +66,7 @@ class TritonAttention(AttentionBackend):
     # size) and the extend kernel's aligned walk (chunking and cached prefixes do not move block boundaries).
     batch_invariant = True
     # (request, KV head, split) programs enough to keep a large GPU busy: about two per SM of an H200's 132. Swept
-    # there (bench/decode_tuning.py, bench/results_h200_decode_tuning.json), 32 requests of 8 KV heads ran fastest
+    # there (bench/decode_tuning.py, bench/results/h200_decode_tuning.json), 32 requests of 8 KV heads ran fastest
     # in one split at 192-2,048 tokens (13.3 against 18.0 us a layer with 4 splits at 192), and one request in 16.
     DECODE_PROGRAMS = 256
 

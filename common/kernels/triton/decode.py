@@ -101,7 +101,7 @@ def _decode_split_kernel(
     # A request's KV heads are adjacent programs (the grid's fastest axis), so they run at about the same time and
     # read neighbouring bytes of the same cache rows (a slot's heads are contiguous): on an H200 3-4 % faster at
     # 256-512 requests than with requests along the fastest axis, the same at 1-32 under PDL
-    # (bench/results_h200_decode_grid_order.json).
+    # (bench/results/h200_decode_grid_order.json).
     kv_head = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)

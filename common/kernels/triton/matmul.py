@@ -89,7 +89,7 @@ class Tiles:
 def tiles(out_features: int, in_features: int, element_size: int = 2) -> Tiles:
     """The launch for a weight of this shape and element size, from those alone (never from the row count). Swept
     on an H200 over Llama-3-8B's shapes at 1, 32 and 256 rows in bf16 (bench/batch_invariant_matmul_sweep.py,
-    bench/results_h200_batch_invariant_matmul_sweep.json): wide layers take 128-column tiles; a narrow one with a
+    bench/results/h200_batch_invariant_matmul_sweep.json): wide layers take 128-column tiles; a narrow one with a
     long K (the MLP's down projection) splits K in two; other narrow ones take 32-column tiles, so that batch 1
     has enough programs to stream the weight. Float32 weights take K in blocks of 64: blocks of 128 need 288 KiB of
     shared memory at 128 columns, more than an H100 has (227 KiB)."""
