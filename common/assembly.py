@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Assembly:
-    """The parts one run builds, each with the reason it was chosen where there was a choice."""
+    """The parts one run builds, and why decode runs eagerly where it does."""
 
     prefill_attention: str
     decode_attention: str

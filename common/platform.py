@@ -225,14 +225,15 @@ class Platform:
         ones (triton), the device's own built only on request, torch_native (runs everywhere), and batch_invariant
         (device-neutral, for --deterministic where nothing faster is batch-invariant)."""
         from omnirun.attention.registry import BATCH_INVARIANT_OFFER, portable_offers
+        from omnirun.attention.torch_native import TorchNativeAttention
 
         own = self.attention_offers()
         names = {offer.name for offer in own}
         portable = [offer for offer in portable_offers(self.capabilities) if offer.name not in names]
-        reference = [offer for offer in portable if not offer.capturable]  # torch_native reads lengths on the host
+        reference = [offer for offer in portable if offer.name == TorchNativeAttention.name]
         ordered = (
             [offer for offer in own if not offer.on_request]
-            + [offer for offer in portable if offer not in reference]
+            + [offer for offer in portable if offer.name != TorchNativeAttention.name]
             + [offer for offer in own if offer.on_request]
             + reference
         )
