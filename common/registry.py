@@ -129,6 +129,14 @@ def _load_platform(ep: importlib.metadata.EntryPoint) -> Platform:
     return platform
 
 
+class OmnirunDeprecationWarning(FutureWarning):
+    """A plugin uses a hook of an older contract version. A FutureWarning, which Python shows by default (a
+    DeprecationWarning is hidden outside __main__), without touching the process's warning filters."""
+
+
+_warned: set[type] = set()  # platform classes already warned about (once each per process)
+
+
 def check_contract(platform: Platform) -> None:
     """Raise, in one line naming the fix, if `platform` lacks a required attribute or was written for another
     version of the Platform contract."""
@@ -160,17 +168,6 @@ def check_contract(platform: Platform) -> None:
                 OmnirunDeprecationWarning,
                 stacklevel=2,
             )
-
-
-_warned: set[type] = set()
-
-
-class OmnirunDeprecationWarning(DeprecationWarning):
-    """A plugin uses a hook of an older contract version: shown once per platform class, by default too."""
-
-
-# Python hides DeprecationWarnings outside __main__ by default; a vendor must see this one.
-warnings.simplefilter("default", OmnirunDeprecationWarning)
 
 
 def _source(ep: importlib.metadata.EntryPoint) -> str:

@@ -32,11 +32,6 @@ def _build_triton(context: AttentionContext) -> AttentionBackend:
 # batch_invariant runs everywhere too, for --deterministic (Platform.deterministic_attention_backends).
 
 
-def portable_backends(capabilities: Capabilities) -> tuple[str, ...]:
-    """The portable backends a device with these capabilities can run, best first."""
-    return tuple(offer.name for offer in portable_offers(capabilities))
-
-
 def portable_offers(capabilities: Capabilities) -> tuple[AttentionOffer, ...]:
     """The portable backends as offers: triton where the kernels' gate offers it, torch_native everywhere."""
     native = AttentionOffer(TorchNativeAttention.name, TorchNativeAttention, capturable=False)

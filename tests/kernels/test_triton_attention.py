@@ -15,7 +15,7 @@ import torch
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton attention backend needs it")
 
 from omnirun.attention.backend import AttentionContext, AttentionLayerSpec, HybridAttentionBackend, Rotary  # noqa: E402
-from omnirun.attention.registry import portable_backends, portable_offers  # noqa: E402
+from omnirun.attention.registry import portable_offers  # noqa: E402
 from omnirun.attention.torch_native import TorchNativeAttention  # noqa: E402
 from omnirun.batch import ForwardBatch, ForwardMode, build_batch  # noqa: E402
 from omnirun.kernels.triton.attention_backend import TritonAttention  # noqa: E402
@@ -227,8 +227,8 @@ def test_registry_offers_triton_only_where_capabilities_say_so():
     def caps(triton_ok: bool) -> Capabilities:
         return Capabilities("test", (torch.float32,), None, None, supports_triton=triton_ok)
 
-    assert portable_backends(caps(True)) == ("triton", "torch_native")
-    assert portable_backends(caps(False)) == ("torch_native",)
+    assert [o.name for o in portable_offers(caps(True))] == ["triton", "torch_native"]
+    assert [o.name for o in portable_offers(caps(False))] == ["torch_native"]
     case = CASES[0]
     _, context, _ = make_setup(case, seed=4)
     triton, native = portable_offers(caps(True))
