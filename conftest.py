@@ -6,9 +6,9 @@ and the `device_name`, `platform` and `tiny_checkpoints` fixtures.
 platform's capabilities offer triton (the gate in `omnirun.kernels`), the kernels compile and run on that device;
 elsewhere they run in Triton's interpreter on CPU tensors. The `triton_device` fixture says which.
 
-A fake lane (`ci/run-lane npu-fake`, ...) names its fake in $OMNIRUN_FAKE_LANE: a file whose `install()` puts the
-fake vendor modules in place and registers the fake platform (`omnirun.fake_device`). It runs first of all, before
-anything asks the registry for the device.
+A fake lane (`ci/run-lane npu-fake`, ...) puts its fake in place through a registry hook that only the lane's
+PYTHONPATH names (tests/support/omnirun_fakes/lane.py): the fake vendor modules and the fake platform are installed
+when the registry is first discovered, here before anything asks it for the device.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _compiles_triton(device_name: str) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     from omnirun.registry import default_registry
 
-    default_registry()  # a fake lane ($OMNIRUN_FAKE_LANE) installs its fake here, before any test asks for it
+    default_registry()  # a fake lane's registry hook installs its fake here, before any test asks for it
     # Where the device cannot compile Triton, its kernels run in the interpreter. The switch must be set before
     # anything imports triton (transformers may, while tests are being collected), because triton reads it once.
     from omnirun.conformance.plugin import device_under_test

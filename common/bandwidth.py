@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from omnirun.platform import Platform
+if TYPE_CHECKING:  # the platform is handed in: annotated, never imported here
+    from omnirun.platform import Platform
 
 
 @dataclasses.dataclass(frozen=True)

@@ -158,23 +158,14 @@ class Platform:
 
     def make_graph_runner(self, runner: Any) -> Any | None:
         """Contract version 1 (deprecated: version 2 states graph limits on its attention offers and the runner
-        builds the graph runner): the decode graph runner for `runner`, or None to run eagerly, as
-        `omnirun.assembly` plans it. A version-1 platform with a further condition overrides this and calls
-        super()."""
-        from omnirun.assembly import assemble
-        from omnirun.graphs import DecodeGraphRunner
-
-        head_dim = getattr(getattr(runner, "shape", None), "head_dim", None)
-        assembly = assemble(runner.config, self, runner.dtype, runner.max_running_requests, head_dim)
-        if assembly.graphs is None:
-            return None
-        return DecodeGraphRunner(runner, self.graph_api(), max_batch_size=assembly.graph_max_batch_size)
+        builds the graph runner): the decode graph runner for `runner`, or None to run eagerly. A version-1
+        platform with a further condition overrides this and calls super(), which returns what the runner's
+        assembly (`omnirun.assembly`) plans."""
+        return runner.planned_graph_runner()
 
     def decode_attention_backend(self, runner: Any) -> str:
-        """Contract version 1 (deprecated): the decode backend `runner` builds (`omnirun.assembly`)."""
-        from omnirun.assembly import choose_attention
-
-        return choose_attention(runner.config, self, runner.dtype)[1]
+        """Contract version 1 (deprecated): the decode backend `runner` builds, as its assembly chose it."""
+        return runner.assembly.decode_attention
 
     # --- collectives ---
     def bind_rank(self, local_rank: int, ranks_per_node: int) -> int:
@@ -224,22 +215,9 @@ class Platform:
         """Every backend a run may build here, best first: the device's own that may be a default, the portable GPU
         ones (triton), the device's own built only on request, torch_native (runs everywhere), and batch_invariant
         (device-neutral, for --deterministic where nothing faster is batch-invariant)."""
-        from omnirun.attention.registry import BATCH_INVARIANT_OFFER, portable_offers
-        from omnirun.attention.torch_native import TorchNativeAttention
+        from omnirun.attention.registry import with_portable_offers
 
-        own = self.attention_offers()
-        names = {offer.name for offer in own}
-        portable = [offer for offer in portable_offers(self.capabilities) if offer.name not in names]
-        reference = [offer for offer in portable if offer.name == TorchNativeAttention.name]
-        ordered = (
-            [offer for offer in own if not offer.on_request]
-            + [offer for offer in portable if offer.name != TorchNativeAttention.name]
-            + [offer for offer in own if offer.on_request]
-            + reference
-        )
-        if BATCH_INVARIANT_OFFER.name not in names:
-            ordered.append(BATCH_INVARIANT_OFFER)
-        return tuple(ordered)
+        return with_portable_offers(self.attention_offers(), self.capabilities)
 
     def attention_offer(self, name: str) -> AttentionOffer | None:
         return next((offer for offer in self.all_attention_offers() if offer.name == name), None)

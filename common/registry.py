@@ -5,6 +5,11 @@ out-of-tree vendor package is a first-class citizen: `pip install` it and `--dev
 
 Selection order: an explicit `--device`, else the `OMNIRUN_DEVICE` environment variable, else `auto`, which picks
 the available platform with the highest `auto_priority` (cuda = rocm > npu > xpu > plugins > cpu).
+
+After discovery, every entry point of the `omnirun.registry_hooks` group is called with the registry, once per
+process: a site's package can put a subclass of a platform in place of the one registered (tuned defaults, a
+patched probe) in every process omnirun starts, servers and ranks included. Our fake vendor lanes install their
+fakes this way, from test code only.
 """
 
 from __future__ import annotations
@@ -27,9 +32,8 @@ from omnirun.facts import PLATFORM_API_VERSION, SUPPORTED_API_VERSIONS
 from omnirun.platform import Platform
 
 ENTRY_POINT_GROUP = "omnirun.platforms"
+HOOK_GROUP = "omnirun.registry_hooks"
 DEVICE_ENV_VAR = "OMNIRUN_DEVICE"
-# A test lane that swaps a device's vendor module for a fake (omnirun.fake_device.install_fake_lane).
-FAKE_LANE_ENV = "OMNIRUN_FAKE_LANE"
 AUTO = "auto"
 
 # What every platform must set or implement; the Platform base class provides everything else.
@@ -78,6 +82,27 @@ class PlatformRegistry:
                 "install omnirun as a package (pip install -e .) rather than running it from the source tree"
             )
         return cls(platforms, broken)
+
+    def register(self, platform: Platform) -> None:
+        """Add `platform` under its name, in place of the one registered there (a registry hook's tool); it must
+        meet the contract like a discovered one."""
+        check_contract(platform)
+        self.platforms[platform.name] = platform
+        self.broken.pop(platform.name, None)
+
+    def run_hooks(self, entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> None:
+        """Call each `omnirun.registry_hooks` entry point with this registry, in name order. A hook that fails
+        stops discovery: running on without it would run on platforms the site meant to replace."""
+        if entry_points is None:
+            entry_points = importlib.metadata.entry_points(group=HOOK_GROUP)
+        for ep in sorted(entry_points, key=lambda ep: ep.name):
+            try:
+                ep.load()(self)
+            except Exception as exc:
+                raise PluginLoadError(
+                    f"registry hook '{ep.name}' from {_source(ep)} failed: {type(exc).__name__}: {exc}; "
+                    "fix or uninstall the package that provides it"
+                ) from exc
 
     def names(self) -> list[str]:
         """Every registered name, broken plugins included, in auto-selection order."""
@@ -191,16 +216,12 @@ _default_registry: PlatformRegistry | None = None
 
 
 def default_registry() -> PlatformRegistry:
-    """The registry of this Python environment, discovered once per process. Under a fake lane
-    ($OMNIRUN_FAKE_LANE, `omnirun.fake_device`) the lane's fake platform replaces the real one here, so every
-    process a test starts (ranks, servers, CLIs) sees the same fake."""
+    """The registry of this Python environment, discovered and its hooks run once per process."""
     global _default_registry
     if _default_registry is None:
-        _default_registry = PlatformRegistry.discover()
-        if os.environ.get(FAKE_LANE_ENV):
-            from omnirun.fake_device import install_fake_lane
-
-            install_fake_lane(os.environ[FAKE_LANE_ENV])
+        registry = PlatformRegistry.discover()
+        registry.run_hooks()
+        _default_registry = registry
     return _default_registry
 
 

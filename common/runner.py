@@ -293,12 +293,17 @@ class ModelRunner:
         return dataclasses.replace(capped, explanation=f"{capped.explanation} (the smallest rank's: {smallest} pages)")
 
     def _make_graph_runner(self) -> DecodeGraphRunner | None:
-        """The decode graph runner the assembly plans (None: every step eager). A platform of contract version 1
-        that overrides `make_graph_runner(runner)` still decides (deprecated)."""
+        """The decode graph runner the assembly plans. A platform of contract version 1 that overrides
+        `make_graph_runner(runner)` still decides (deprecated)."""
         if self.config.disable_graph:
             return None
         if type(self.platform).make_graph_runner is not Platform.make_graph_runner:
             return self.platform.make_graph_runner(self)
+        return self.planned_graph_runner()
+
+    def planned_graph_runner(self) -> DecodeGraphRunner | None:
+        """The decode graph runner over the platform's graph API up to the batch the assembly plans (None: every
+        step runs eagerly, `assembly.graphs_reason` says why)."""
         if self.assembly.graphs is None:
             return None
         return DecodeGraphRunner(self, self.platform.graph_api(), max_batch_size=self.assembly.graph_max_batch_size)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from omnirun.fake_device import RecordingGraph, recording_capture, recording_graph_api
-from omnirun.registry import FAKE_LANE_ENV
+from omnirun_fakes.device import RecordingGraph, recording_capture, recording_graph_api
+from omnirun_fakes.lane import fake_lane_environment, without_fake_lane
 
 
 def _step(x: torch.Tensor, w: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -75,21 +74,25 @@ def test_the_graph_api_refuses_replay_before_capture_and_capture_twice():
         graph.capture_begin()
 
 
-def test_a_fake_lane_reaches_every_process_through_the_registry(tmp_path):
-    # Ranks, servers and CLIs a test starts are new processes: the registry there must install the lane's fake too.
-    lane = tmp_path / "fake_lane.py"
+def test_a_fake_lane_reaches_child_processes_and_only_through_its_environment(tmp_path):
+    # Ranks, servers and CLIs a test starts are new processes: the registry there must install the lane's fake too,
+    # and a child given without_fake_lane() must see the real platform.
+    lane = tmp_path / "lane" / "fake_cpu_lane.py"
+    lane.parent.mkdir()
     lane.write_text(
         "from omnirun.devices.cpu.platform import CpuPlatform\n"
-        "from omnirun.fake_device import use_platform\n"
         "class FakeCpu(CpuPlatform):\n"
         "    pass\n"
-        "def install():\n"
-        "    use_platform(FakeCpu())\n"
+        "def install(registry):\n"
+        "    registry.register(FakeCpu())\n"
     )
     code = "from omnirun.registry import get_platform\nprint(type(get_platform('cpu')).__name__)"
-    env = {**os.environ, FAKE_LANE_ENV: str(lane)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "FakeCpu"
-    env[FAKE_LANE_ENV] = str(tmp_path / "missing.py")
-    failed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert failed.returncode != 0 and "names no file" in failed.stderr
+
+    def platform_in_child(env):
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+
+    env = fake_lane_environment(lane, tmp_path / "scratch")
+    assert platform_in_child(env).stdout.strip() == "FakeCpu"
+    assert platform_in_child(without_fake_lane(env)).stdout.strip() == "CpuPlatform"
+    with pytest.raises(FileNotFoundError, match="fake_lane.py"):
+        fake_lane_environment(tmp_path / "missing.py", tmp_path / "scratch")

@@ -228,8 +228,8 @@ def _runtime_imports(path: Path, package: str, known: set[str]) -> set[str]:
     return found
 
 
-def import_circles(common: Path = COMMON) -> list[list[str]]:
-    """The import circles among common/'s modules (strongly connected components of more than one module)."""
+def import_graph(common: Path = COMMON) -> dict[str, set[str]]:
+    """Each module of common/ with the modules of common/ it imports when it runs."""
     modules: dict[str, Path] = {}
     for path in common.rglob("*.py"):
         parts = path.relative_to(common).with_suffix("").parts
@@ -240,6 +240,12 @@ def import_circles(common: Path = COMMON) -> list[list[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         graph[name] = _runtime_imports(path, package, known) - {name}
+    return graph
+
+
+def import_circles(common: Path = COMMON) -> list[list[str]]:
+    """The import circles among common/'s modules (strongly connected components of more than one module)."""
+    graph = import_graph(common)
     # Tarjan's algorithm, iteratively (no recursion limit to meet on a large tree).
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -291,11 +297,62 @@ def test_the_facts_are_a_leaf_and_what_needs_only_facts_imports_no_platform():
         assert not [m for m in imports if m == "omnirun.platform" or m.startswith("omnirun.platform.")], rel
 
 
-def test_import_circles_shrink_only():
-    """A ratchet while contract v2 lands: facts in a leaf (omnirun.facts) broke the 20-module circle around the
-    Platform. What is left is the fake-lane hook: the registry installs a fake lane (omnirun.fake_device), which
-    registers itself in the registry; it goes once the fake lanes install themselves from test-only code."""
-    assert import_circles() in ([], [["omnirun.fake_device", "omnirun.registry"]])
+def test_common_has_no_import_circle():
+    """Facts in a leaf (omnirun.facts) broke the 20-module circle around the Platform; the fake lanes' hook left
+    common/ for test code (tests/support/omnirun_fakes)."""
+    assert import_circles() == []
+
+
+# The house of common/ (issue 31): every module on one floor, found by its longest listed prefix ("" is the package
+# itself). The facts are the foundation; a Platform states facts and hands over parts; the parts are built from
+# facts; the assembly and the runner put parts together; the engine schedules a runner; the fronts drive engines.
+FLOORS = {
+    **dict.fromkeys(["facts", "errors", "host_event", "host_to_device", "assets"], 0),
+    **dict.fromkeys(["platform", "registry"], 1),
+    **dict.fromkeys(
+        ["attention", "kernels", "graphs", "memory", "layers", "models", "distributed", "sampling", "loader"], 2
+    ),
+    **dict.fromkeys(["weights", "batch", "config", "cli_flags", "bandwidth"], 2),
+    **dict.fromkeys(["assembly", "runner", "launch", "testing"], 3),
+    "engine": 4,
+    **dict.fromkeys(["", "server", "cli", "bench", "bench_serve", "env_report", "conformance"], 5),
+}
+# The arrows up the house keeps: the parts a Platform hands over by default are common/'s (the portable attention
+# backends beside its own, the portable fused ops its capabilities allow, torch.distributed's communicator).
+ARROWS_UP = {
+    ("omnirun.platform", "omnirun.attention.registry"),
+    ("omnirun.platform", "omnirun.kernels"),
+    ("omnirun.platform", "omnirun.distributed.communicator"),
+}
+
+
+def floor_of(module: str) -> int | None:
+    name = module.removeprefix("omnirun").removeprefix(".")
+    while name not in FLOORS:
+        if not name:
+            return None
+        name = name.rpartition(".")[0]
+    return FLOORS[name]
+
+
+def arrows_up(common: Path = COMMON) -> set[tuple[str, str]]:
+    """(importer, imported) for each import from a lower floor of the house to a higher one."""
+    graph = import_graph(common)
+    return {(a, b) for a, imported in graph.items() for b in imported if floor_of(a) < floor_of(b)}
+
+
+def test_every_module_of_common_has_a_floor():
+    assert [m for m in import_graph() if floor_of(m) is None] == []
+
+
+def test_at_most_three_arrows_run_up_the_house():
+    assert arrows_up() <= ARROWS_UP and len(ARROWS_UP) <= 3
+
+
+def test_an_arrow_up_is_found(tmp_path):
+    (tmp_path / "facts.py").write_text("def f():\n    from omnirun.runner import ModelRunner\n")
+    (tmp_path / "runner.py").write_text("import omnirun.facts\n")
+    assert arrows_up(tmp_path) == {("omnirun.facts", "omnirun.runner")}
 
 
 def test_the_circle_finder_finds_a_planted_circle(tmp_path):

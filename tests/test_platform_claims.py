@@ -9,12 +9,15 @@ import types
 import pytest
 import torch
 
+from omnirun.assembly import assemble
 from omnirun.config import RunnerConfig
 from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.env_report import platform_row, to_table
 from omnirun.facts import AttentionOffer
 from omnirun.graphs import DecodeGraphRunner, GraphAPI
+from omnirun.platform import Platform
 from omnirun.registry import default_registry
+from omnirun.runner import ModelRunner
 
 STUB_API = GraphAPI(
     "stub_graph", new_graph=object, capture=lambda graph, pool=None: contextlib.nullcontext(), new_pool=object
@@ -48,13 +51,20 @@ class GraphCpu(CpuPlatform):
         )
 
 
-def _runner(
-    running: int = 8, decode: str | None = None, attention: str | None = None, graph_limit: int | None = None
-) -> types.SimpleNamespace:
-    config = RunnerConfig(  # loads nothing
+def _graph_runner(
+    platform: Platform,
+    running: int = 8,
+    decode: str | None = None,
+    attention: str | None = None,
+    graph_limit: int | None = None,
+) -> DecodeGraphRunner | None:
+    """What a runner with these flags builds for decode graphs: its assembly's plan, made by
+    `ModelRunner.planned_graph_runner` over a stand-in runner (no model is loaded)."""
+    config = RunnerConfig(
         model="stand-in", decode_attention_backend=decode, attention_backend=attention, max_graph_batch_size=graph_limit
     )
-    return types.SimpleNamespace(config=config, dtype=torch.float32, max_running_requests=running)
+    stand_in = types.SimpleNamespace(assembly=assemble(config, platform, torch.float32, running), platform=platform)
+    return ModelRunner.planned_graph_runner(stand_in)
 
 
 class NormCpu(CpuPlatform):
@@ -66,15 +76,15 @@ class NormCpu(CpuPlatform):
 
 @pytest.mark.parametrize("running", [4, 1000])
 def test_the_graph_runner_is_built_over_the_platforms_graph_api(running):
-    graphs = GraphCpu().make_graph_runner(_runner(running))
+    graphs = _graph_runner(GraphCpu(), running)
     assert isinstance(graphs, DecodeGraphRunner) and graphs.api is STUB_API
     assert graphs.max_batch_size == min(running, GraphCpu.max_graph_batch_size)
-    assert CpuPlatform().make_graph_runner(_runner(running)) is None  # no graph API: eager
+    assert _graph_runner(CpuPlatform(), running) is None  # no graph API: eager
 
 
 @pytest.mark.parametrize(("running", "limit"), [(1000, 512), (1000, 1024), (300, 1024), (1000, 8)])
 def test_max_graph_batch_size_replaces_the_platforms_limit(running, limit):
-    graphs = GraphCpu().make_graph_runner(_runner(running, graph_limit=limit))
+    graphs = _graph_runner(GraphCpu(), running, graph_limit=limit)
     assert graphs.max_batch_size == min(running, limit)
     assert graphs.batch_sizes[-1] == min(running, limit)
 
@@ -91,7 +101,7 @@ def test_max_graph_batch_size_replaces_the_platforms_limit(running, limit):
     ],
 )
 def test_no_graph_runner_where_the_decode_backend_cannot_be_captured(decode, attention, built):
-    graphs = GraphCpu().make_graph_runner(_runner(decode=decode, attention=attention))
+    graphs = _graph_runner(GraphCpu(), decode=decode, attention=attention)
     assert (graphs is not None) == built
 
 
@@ -136,8 +146,6 @@ def test_env_reports_the_parts_a_default_run_builds(tmp_path):
 
 
 def test_the_assembly_says_why_decode_runs_eagerly():
-    from omnirun.assembly import assemble
-
     def why(platform, **flags):
         config = RunnerConfig(model="stand-in", **flags)
         return assemble(config, platform, torch.float32, 8).graphs_reason

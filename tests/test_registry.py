@@ -245,3 +245,31 @@ def test_in_tree_platforms_all_register():
     reg = default_registry()
     assert {"cpu", "cuda", "rocm", "npu", "xpu"} <= set(reg.platforms), reg.broken
     assert reg.names()[-1] == "cpu"
+
+
+def test_registry_hooks_run_in_name_order_and_may_replace_a_platform():
+    reg = registry(EntryPoint("cpu", make_platform("cpu")), EntryPoint("gpu", make_platform("gpu")))
+    tuned = make_platform("gpu", priority=99)()
+    calls = []
+
+    def first(r):
+        calls.append("a")
+        r.register(tuned)
+
+    reg.run_hooks([EntryPoint("b-hook", lambda r: calls.append("b")), EntryPoint("a-hook", first)])
+    assert calls == ["a", "b"]
+    assert reg.get("gpu") is tuned and reg.names()[0] == "gpu"
+
+
+def test_a_hook_registers_only_a_platform_that_meets_the_contract():
+    stale = make_platform("cpu")
+    stale.api_version = 0
+    reg = registry(EntryPoint("cpu", make_platform("cpu")))
+    with pytest.raises(PluginLoadError, match=r"registry hook 'site' from vendor-pkg 1.0 .*versions 1, 2"):
+        reg.run_hooks([EntryPoint("site", lambda r: r.register(stale()))])
+
+
+def test_a_failing_hook_stops_discovery_naming_the_hook():
+    reg = registry(EntryPoint("cpu", make_platform("cpu")))
+    with pytest.raises(PluginLoadError, match=r"registry hook 'site' .*ImportError: no tuned_gpu.*uninstall"):
+        reg.run_hooks([EntryPoint("site", ImportError("no tuned_gpu"))])

@@ -46,6 +46,24 @@ BATCH_INVARIANT_OFFER = AttentionOffer(
 )
 
 
+def with_portable_offers(own: tuple[AttentionOffer, ...], capabilities: Capabilities) -> tuple[AttentionOffer, ...]:
+    """A device's own offers among the portable ones, best first: its own that may be a default, the portable GPU
+    ones (triton), its own built only on request, torch_native, and batch_invariant. An own offer of a portable
+    name (a tuned build) takes that name's place."""
+    names = {offer.name for offer in own}
+    portable = [offer for offer in portable_offers(capabilities) if offer.name not in names]
+    reference = [offer for offer in portable if offer.name == TorchNativeAttention.name]
+    ordered = (
+        [offer for offer in own if not offer.on_request]
+        + [offer for offer in portable if offer.name != TorchNativeAttention.name]
+        + [offer for offer in own if offer.on_request]
+        + reference
+    )
+    if BATCH_INVARIANT_OFFER.name not in names:
+        ordered.append(BATCH_INVARIANT_OFFER)
+    return tuple(ordered)
+
+
 def offer_from_factory(name: str, factory: BackendFactory) -> AttentionOffer:
     """A contract-version-1 backend factory as an offer: its `supports_graph` and `batch_invariant` flags."""
     return AttentionOffer(

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from omnirun.distributed.rendezvous import join
 from omnirun.distributed.world import WorldSpec, parse_dist_init_addr, plan_world
 from omnirun.errors import DistributedInitError
-from omnirun.platform import Platform
+
+if TYPE_CHECKING:  # the platform is handed in: annotated, never imported here
+    from omnirun.platform import Platform
 
 # How long start-up waits for every rank to join when no --dist-timeout is given: long enough for a slow node to
 # import torch, short enough that a typo in an address is an error before lunch.

@@ -1,5 +1,6 @@
 """The npu-fake lane: NpuPlatform's real code (ascend attention, NPU graphs, fused ops, capabilities) over a fake
-torch_npu and an Atlas A2 (Ascend910B3) made of CPU tensors. `ci/run-lane npu-fake` calls `install()` first.
+torch_npu and an Atlas A2 (Ascend910B3) made of CPU tensors. `ci/run-lane npu-fake` installs it as a registry hook in
+every process (tests/support/omnirun_fakes/lane.py).
 
 The subclass overrides only what the hardware would answer: the probe, the SoC facts torch.npu reports, and device
 control and memory of the host standing in for the NPU. Everything it offers — the ascend backend (the default for
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from omnirun.devices.npu.platform import NpuPlatform
 from omnirun.facts import ProbeResult
-from omnirun.fake_device import HostStandsInForDevice, use_platform
+from omnirun.registry import PlatformRegistry
+from omnirun_fakes.device import HostStandsInForDevice
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_torch_npu sits beside this file
 from fake_torch_npu import make_fake_torch_npu  # noqa: E402
@@ -33,6 +35,7 @@ class FakeNpuPlatform(HostStandsInForDevice, NpuPlatform):
         return FAKE_SOC, True
 
 
-def install() -> None:
+def install(registry: PlatformRegistry) -> None:
+    """The lane's registry hook (tests/support/omnirun_fakes/lane.py)."""
     sys.modules["torch_npu"] = make_fake_torch_npu()
-    use_platform(FakeNpuPlatform())
+    registry.register(FakeNpuPlatform())

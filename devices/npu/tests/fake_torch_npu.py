@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from omnirun.fake_device import RecordingGraph, new_pool
+from omnirun_fakes.device import RecordingGraph, new_pool
 
 GIB = 1 << 30
 

@@ -16,6 +16,7 @@ import pytest
 from omnirun.devices.npu.platform import NpuPlatform
 from omnirun.errors import DeviceUnavailableError
 from omnirun.registry import default_registry
+from omnirun_fakes.lane import SUPPORT, without_fake_lane
 
 TESTS = Path(__file__).parent
 
@@ -93,16 +94,12 @@ def test_probe_turns_a_failing_import_into_a_one_line_reason(monkeypatch, error,
         platform.current_device()
 
 
-def _without_fake_lane() -> dict[str, str]:
-    """The environment minus the npu-fake lane's switch: these children test the real platform's own imports."""
-    return {k: v for k, v in os.environ.items() if k != "OMNIRUN_FAKE_LANE"}
-
-
 def _run_python(code: str, fake_torch_npu_dir: Path) -> None:
-    env = {
-        **_without_fake_lane(),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(fake_torch_npu_dir), os.environ.get("PYTHONPATH")])),
-    }
+    # These children test the real platform's own imports: the npu-fake lane's hook stays out of them.
+    env = without_fake_lane()
+    # fake_torch_npu imports omnirun_fakes (tests/support), which pytest's `pythonpath` gives only to itself.
+    path = [str(fake_torch_npu_dir), str(SUPPORT), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
 
@@ -140,7 +137,7 @@ def test_platform_against_fake_torch_npu_in_its_own_process(request):
         capture_output=True,
         text=True,
         cwd=request.config.rootpath,
-        env=_without_fake_lane(),
+        env=without_fake_lane(),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert " passed" in result.stdout and "skipped" not in result.stdout

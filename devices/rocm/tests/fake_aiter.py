@@ -9,7 +9,7 @@ layout named, tables that are not int32, a workspace smaller than the kernel's. 
 computes something else (a partition count too small for a context), the fake computes that same wrong thing, so
 a test sees it.
 
-The decode kernel reads no host value, so it records and replays inside `omnirun.fake_device`'s graphs.
+The decode kernel reads no host value, so it records and replays inside `omnirun_fakes.device`'s graphs.
 """
 
 from __future__ import annotations

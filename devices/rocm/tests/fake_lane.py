@@ -1,5 +1,6 @@
 """The rocm-fake lane: RocmPlatform's real code (aiter attention and norms, graph runner, capabilities) over a fake
-`aiter` and an MI300X (gfx942) made of CPU tensors. `ci/run-lane rocm-fake` calls `install()` before any test.
+`aiter` and an MI300X (gfx942) made of CPU tensors. `ci/run-lane rocm-fake` installs it as a registry hook in every
+process (tests/support/omnirun_fakes/lane.py).
 
 The subclass overrides only what a GPU would answer: the probe, the device properties torch.cuda reports, device
 control and memory of the host standing in for the GPU, and the graph API (below). Everything it offers — attention
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from omnirun.devices.rocm.platform import RocmPlatform
 from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
-from omnirun.fake_device import HostStandsInForDevice, recording_graph_api, use_platform
+from omnirun.registry import PlatformRegistry
+from omnirun_fakes.device import HostStandsInForDevice, recording_graph_api
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_aiter sits beside this file, outside any package
 from fake_aiter import make_aiter  # noqa: E402
@@ -54,6 +56,7 @@ class FakeRocmPlatform(HostStandsInForDevice, RocmPlatform):
         return recording_graph_api("hip_graph")
 
 
-def install() -> None:
+def install(registry: PlatformRegistry) -> None:
+    """The lane's registry hook (tests/support/omnirun_fakes/lane.py)."""
     sys.modules["aiter"] = make_aiter("gfx942")
-    use_platform(FakeRocmPlatform())
+    registry.register(FakeRocmPlatform())

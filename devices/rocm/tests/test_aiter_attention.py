@@ -13,9 +13,9 @@ from omnirun.attention.backend import AttentionContext, AttentionLayerSpec
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.batch import ForwardBatch, ForwardMode, build_batch
 from omnirun.errors import ConfigError
-from omnirun.fake_device import RecordingGraph, recording_capture
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
 from omnirun.testing import fill_prefixes
+from omnirun_fakes.device import RecordingGraph, recording_capture
 
 CPU = torch.device("cpu")
 CONTEXT_LEN = 300  # two decode partitions of 256 keys

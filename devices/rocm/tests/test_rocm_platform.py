@@ -14,10 +14,12 @@ import types
 import pytest
 import torch
 
+from omnirun.assembly import Assembly, assemble
 from omnirun.config import RunnerConfig
 from omnirun.devices.rocm import platform as rocm_module
 from omnirun.devices.rocm.gfx_arch import GfxArch
 from omnirun.devices.rocm.platform import VISIBILITY_ENVS, RocmPlatform
+from omnirun_fakes.lane import without_fake_lane
 
 GiB = 1 << 30
 BF16_FIRST = (torch.bfloat16, torch.float16, torch.float32)
@@ -211,9 +213,9 @@ def test_import_and_probe_leave_vendor_packages_unimported(tmp_path):
 
 
 # --- aiter offered where it is installed; triton and torch_native otherwise ---
-def _runner(dtype=torch.bfloat16, **config):
-    # A real RunnerConfig (it loads nothing): the platform reads whichever of its fields it needs.
-    return types.SimpleNamespace(config=RunnerConfig(model="stand-in", **config), dtype=dtype, max_running_requests=8)
+def _plan(platform: RocmPlatform, dtype=torch.bfloat16, **config) -> Assembly:
+    """What a runner with these flags would build here (a real RunnerConfig; nothing is loaded)."""
+    return assemble(RunnerConfig(model="stand-in", **config), platform, dtype, 8)
 
 
 def test_without_aiter_the_portable_parts_only(fake_gpu, monkeypatch: pytest.MonkeyPatch):
@@ -246,11 +248,11 @@ def test_no_graph_runner_when_decode_runs_on_torch_native(fake_gpu, monkeypatch:
     monkeypatch.setattr(rocm_module, "triton_installed", lambda: False)
     monkeypatch.setattr(rocm_module, "aiter_installed", lambda: False)
     rocm = RocmPlatform()
-    assert rocm.make_graph_runner(_runner()) is None  # the default: torch_native
-    assert rocm.make_graph_runner(_runner(attention_backend="torch_native")) is None
+    assert _plan(rocm).graphs is None  # the default: torch_native
+    assert _plan(rocm, attention_backend="torch_native").graphs is None
     monkeypatch.setattr(rocm_module, "aiter_installed", lambda: True)
-    runner = RocmPlatform().make_graph_runner(_runner(decode_attention_backend="aiter"))
-    assert runner is not None and runner.api.name == "hip_graph" and runner.max_batch_size == 8
+    plan = _plan(RocmPlatform(), decode_attention_backend="aiter")
+    assert plan.graphs == "hip_graph" and plan.graph_max_batch_size == 8
 
 
 def test_import_of_the_aiter_modules_imports_no_aiter():
@@ -259,7 +261,7 @@ def test_import_of_the_aiter_modules_imports_no_aiter():
         "import omnirun.devices.rocm.aiter_attention, omnirun.devices.rocm.aiter_ops\n"
         "print('aiter' in sys.modules)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMNIRUN_FAKE_LANE"}  # a fake lane installs a fake aiter
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    # without_fake_lane: the rocm-fake lane would install a fake aiter in the child
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=without_fake_lane())
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

@@ -8,7 +8,7 @@ here, which a graph capture refuses). `make_ipex("cpu")` follows the CPU build (
 strides as [pages, kv_heads, page_size, head_dim], fp8 only as e5m2, no silu_and_mul / rotary_embedding_batched.
 
 The attention math runs without any host read (batches are padded to the max lengths IPEX is given), so it can be
-recorded by omnirun.fake_device's RecordingGraph like a kernel in a device graph. `calls` counts each entry point.
+recorded by omnirun_fakes.device's RecordingGraph like a kernel in a device graph. `calls` counts each entry point.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The xpu-fake lane: XpuPlatform's real code (ipex attention and fused ops, XPU graph API, capabilities) over a fake
-IPEX and an Intel Data Center GPU Max 1550 made of CPU tensors. `ci/run-lane xpu-fake` calls `install()` before
-any test, in every process.
+IPEX and an Intel Data Center GPU Max 1550 made of CPU tensors. `ci/run-lane xpu-fake` installs it as a registry hook
+in every process (tests/support/omnirun_fakes/lane.py).
 
 The fake IPEX matches this torch (a hypothetical 2.13.10+xpu: IPEX's last release pins torch 2.10), so the
 platform's own version check offers the `ipex` backend and IPEX's fused ops. The subclass overrides only what a GPU
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from omnirun.devices.xpu.platform import XpuPlatform, xpu_graph_api
 from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
-from omnirun.fake_device import HostStandsInForDevice, RecordingGraph, new_pool, recording_capture, use_platform
+from omnirun.registry import PlatformRegistry
+from omnirun_fakes.device import HostStandsInForDevice, RecordingGraph, new_pool, recording_capture
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_ipex sits beside this file, outside any package
 from fake_ipex import install_metadata, make_ipex, matching_version  # noqa: E402
@@ -63,11 +64,12 @@ class FakeXpuPlatform(HostStandsInForDevice, XpuPlatform):
         return tuple(dataclasses.replace(offer, on_request=False) for offer in super().attention_offers())
 
 
-def install() -> None:
+def install(registry: PlatformRegistry) -> None:
+    """The lane's registry hook (tests/support/omnirun_fakes/lane.py)."""
     version = matching_version("xpu")
     sys.modules["intel_extension_for_pytorch"] = make_ipex("xpu", version)
     # The distribution metadata pip would have written, where importlib.metadata finds it.
     root = tempfile.mkdtemp(prefix="omnirun-fake-ipex-")
     install_metadata(root, version)
     sys.path.append(root)
-    use_platform(FakeXpuPlatform())
+    registry.register(FakeXpuPlatform())

@@ -11,9 +11,9 @@ from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.batch import ForwardBatch, ForwardMode, build_batch
 from omnirun.device_shared.ipex_attention import IpexAttention, graph_capturable
 from omnirun.errors import ConfigError
-from omnirun.fake_device import RecordingGraph, recording_capture
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
 from omnirun.testing import fill_prefixes
+from omnirun_fakes.device import RecordingGraph, recording_capture
 
 CONTEXT_LEN = 96
 PREFIX_LENS = [0, 5, 23, 61]

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
+from omnirun.assembly import assemble
 from omnirun.config import RunnerConfig
 from omnirun.devices.xpu.platform import XpuPlatform
 from omnirun.env_report import platform_row, to_table
@@ -51,11 +50,10 @@ def test_mismatched_ipex_falls_back_and_env_says_why(
     assert row.packages["intel-extension-for-pytorch"] == "2.8.10+xpu"
 
 
-def _runner(decode: str | None, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> types.SimpleNamespace:
+def _graphs(platform: XpuPlatform, decode: str | None, head_dim: int) -> str | None:
+    """The graph API a bf16 runner with this decode backend would capture with here (None: eager)."""
     config = RunnerConfig(model="stand-in", decode_attention_backend=decode)  # loads nothing
-    return types.SimpleNamespace(
-        config=config, dtype=dtype, shape=types.SimpleNamespace(head_dim=head_dim), max_running_requests=8
-    )
+    return assemble(config, platform, torch.bfloat16, 8, head_dim).graphs
 
 
 def test_graph_runner_only_for_capturable_decode(monkeypatch: pytest.MonkeyPatch, fake_xpu, install_ipex) -> None:
@@ -64,7 +62,7 @@ def test_graph_runner_only_for_capturable_decode(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(torch.xpu, name, object, raising=False)
     monkeypatch.setattr("omnirun.devices.xpu.platform._intel_triton_installed", lambda: True)
     platform = XpuPlatform()
-    assert platform.make_graph_runner(_runner(None, 64)) is not None  # triton, the default, captures
-    assert platform.make_graph_runner(_runner("torch_native", 64)) is None
-    assert platform.make_graph_runner(_runner("ipex", 128)) is not None
-    assert platform.make_graph_runner(_runner("ipex", 80)) is None  # IPEX pads 80 through a host sync
+    assert _graphs(platform, None, 64) == "xpu_graph"  # triton, the default, captures
+    assert _graphs(platform, "torch_native", 64) is None
+    assert _graphs(platform, "ipex", 128) == "xpu_graph"
+    assert _graphs(platform, "ipex", 80) is None  # IPEX pads 80 through a host sync

@@ -1,5 +1,5 @@
-"""Pieces for testing a device package without its hardware: a graph that records and replays, and the switch
-that puts a fake platform in the registry.
+"""Pieces for testing a device package without its hardware: a graph that records and replays, and a mixin that
+makes the host stand in for one device.
 
 A fake lane (`ci/run-lane npu-fake`, ...) runs the conformance suite through a device package's real code paths
 with the vendor module replaced by a fake that computes on CPU tensors. The fake's graph API is built from
@@ -12,7 +12,6 @@ host read of a device value (`.item()`, `.tolist()`, printing a tensor) raises.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from omnirun.facts import GraphAPI
 from omnirun.host_event import HostEvent
 from omnirun.memory import PagedKVCache
-from omnirun.platform import Platform
 
 _PROC_STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -175,26 +173,3 @@ class HostStandsInForDevice:
             _CLEAR_REFS.write_text("5")  # restart VmHWM from the current resident size
         except OSError:
             pass
-
-
-def use_platform(platform: Platform) -> None:
-    """Put `platform` in the default registry under its name, replacing the one registered there: a fake lane
-    calls this before any test asks the registry for the device."""
-    from omnirun.registry import default_registry
-
-    default_registry().platforms[platform.name] = platform
-
-
-def install_fake_lane(path: str) -> None:
-    """Run the `install()` of the fake lane file at `path` (absolute, or relative to the repository root or the
-    working directory): it puts the fake vendor modules in place and calls `use_platform`."""
-    file = Path(path)
-    if not file.is_absolute():
-        candidates = (Path(__file__).resolve().parent.parent / file, Path.cwd() / file)
-        file = next((c for c in candidates if c.is_file()), file)
-    spec = importlib.util.spec_from_file_location(f"fake_lane_{file.parent.parent.name}", file)
-    if spec is None or spec.loader is None or not file.is_file():
-        raise FileNotFoundError(f"OMNIRUN_FAKE_LANE={path!r} names no file: give the path of a fake_lane.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.install()
