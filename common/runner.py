@@ -133,7 +133,7 @@ class ModelRunner:
         try:
             self.tp = self._init_distributed()
             self.layout = tp_layout(self.shape, self.tp.size, self.tp.rank)
-            self.ops = resolve_ops(self.platform.fused_ops())  # the layers' kernels and the sampler's argmax
+            self.ops = resolve_ops(self.platform.fused_ops())  # the layers' kernels and the sampler's picks
             if config.deterministic:
                 self.ops = deterministic_ops(self.ops)
             self.model = self._load_model()
@@ -142,7 +142,7 @@ class ModelRunner:
             self.graph_runner = self._make_graph_runner()
             self.kv = self._init_kv_memory()
             self.attention = self._init_attention()
-            self.sampler = Sampler(self.ops.argmax)
+            self.sampler = Sampler(self.ops.argmax, self.ops.sample)
             if self.graph_runner is not None:
                 self.graph_runner.capture(progress=config.progress)
         except BaseException:

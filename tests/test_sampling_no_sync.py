@@ -37,5 +37,5 @@ def test_sampling_never_creates_a_tensor_directly_on_a_device(monkeypatch):
     )
     batch = SamplingBatch.build(PARAMS, [0, 1, 2, 1], "cpu", vocab_size=16, history=history)
     out = Sampler()(torch.randn(4, 16), batch)
-    assert out.token_ids.shape == (4,) and batch.adjustments is not None and batch.seeds
+    assert out.token_ids.shape == (4,) and batch.adjustments is not None and batch.keys is not None
     assert made_on_a_device == [], "a per-request tensor was made with device=: a stream sync on CUDA"

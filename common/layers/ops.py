@@ -1,5 +1,5 @@
-"""The op table the layers (and the sampler's greedy pick) call: the platform's fused kernel where it offers one,
-else the torch-native reference."""
+"""The op table the layers and the sampler call: the platform's fused kernel where it offers one, else the
+torch-native reference."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omnirun.layers import native_ops
+from omnirun.sampling import reference as sampling_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,9 @@ class Ops:
     silu_and_mul: Callable[..., Any] = native_ops.silu_and_mul
     rotary_embedding: Callable[..., Any] = native_ops.rotary_embedding
     argmax: Callable[..., Any] = native_ops.argmax  # greedy sampling's pick (the sampler's, not a layer's)
+    # A sampled row's pick: (logits [B, V], SamplingBatch) -> int64 [B], filtered by temperature, top-k, top-p and
+    # min-p, drawn with the batch's counter-based random numbers.
+    sample: Callable[..., Any] = sampling_reference.sample
     # Deterministic mode's linear: each row's result independent of the row count (native_ops has the reference).
     batch_invariant_linear: Callable[..., Any] = native_ops.batch_invariant_linear
 
@@ -30,8 +34,8 @@ OP_NAMES = tuple(field.name for field in dataclasses.fields(Ops))
 def deterministic_ops(ops: Ops) -> Ops:
     """The table deterministic mode runs: linear layers whose rows do not depend on the batch. The platform's own
     `batch_invariant_linear` where it offers one (it reads plain weights), else the reference, which runs the
-    platform's linear on fixed-size blocks of rows. Norms, activations, rotary and argmax reduce within a row and
-    stay as they are."""
+    platform's linear on fixed-size blocks of rows. Norms, activations, rotary, argmax and sample reduce within a
+    row and stay as they are."""
     if ops.batch_invariant_linear is not native_ops.batch_invariant_linear:
         return dataclasses.replace(ops, linear=ops.batch_invariant_linear, prepare_linear=native_ops.prepare_linear)
     blocks = functools.partial(native_ops.batch_invariant_linear, block_linear=ops.linear)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omnirun.sampling.adjust import LogitAdjustments, TokenHistory
 from omnirun.sampling.params import SamplingParams
-from omnirun.sampling.sampler import SampleOutput, Sampler, SamplingBatch, generator_seed
+from omnirun.sampling.sampler import SampleOutput, Sampler, SamplingBatch
 
 __all__ = [
     "LogitAdjustments",
@@ -13,5 +13,4 @@ __all__ = [
     "SamplingBatch",
     "SamplingParams",
     "TokenHistory",
-    "generator_seed",
 ]

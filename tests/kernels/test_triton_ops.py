@@ -27,6 +27,7 @@ from omnirun.kernels.triton.ops import (  # noqa: E402
 from omnirun.layers import native_ops  # noqa: E402
 from omnirun.layers.ops import deterministic_ops, resolve_ops  # noqa: E402
 from omnirun.layers.rotary import cos_sin_table  # noqa: E402
+from omnirun.sampling import reference as sampling_reference  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
@@ -179,9 +180,11 @@ def test_rotary_embedding_keeps_its_in_place_contract_on_the_reference_path():
 
 def test_the_op_table_takes_every_kernel():
     ops = triton_fused_ops()
-    assert set(ops) == {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "batch_invariant_linear"}
+    names = {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "batch_invariant_linear", "sample"}
+    assert set(ops) == names
     table = resolve_ops(ops)
     assert table.rms_norm is rms_norm and table.rotary_embedding is rotary_embedding
+    assert table.sample is ops["sample"] is not sampling_reference.sample
     assert table.linear is native_ops.linear  # what the kernels do not cover stays the reference
     # The batch-invariant matmul serves deterministic mode's linear layers only.
     assert deterministic_ops(table).linear is ops["batch_invariant_linear"] is not native_ops.batch_invariant_linear

@@ -416,5 +416,6 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
     if pdl:
         ops = {name: functools.partial(op, pdl=True) for name, op in ops.items()}
     from omnirun.kernels.triton.matmul import batch_invariant_linear  # deterministic mode's linear layers
+    from omnirun.kernels.triton.sample import sample  # sampled rows, without a sort
 
-    return {**ops, "batch_invariant_linear": batch_invariant_linear}
+    return {**ops, "batch_invariant_linear": batch_invariant_linear, "sample": sample}
