@@ -40,13 +40,14 @@ def run_bench(
     seed: int = 0,
     warmup: bool = True,
     shared_prefix_len: int = 0,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run `num_prompts` prompts of `input_len` random tokens (after `shared_prefix_len` tokens common to all),
     `output_len` new tokens each (EOS ignored), at most `batch_size` at a time; return the measurements as a flat
-    dict (what --json writes)."""
+    dict (what --json writes). `sampling`: SamplingParams fields (temperature, top_p, ...; default greedy)."""
     engine, runner = llm.engine, llm.runner
     vocab = runner.shape.vocab_size
-    params = SamplingParams(temperature=0, max_new_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_new_tokens=output_len, ignore_eos=True)
     if warmup:  # first calls pay one-time costs (allocator growth, kernel selection, weight packing)
         # (another seed, so the measured run finds none of its prompts' prefixes cached)
         _status(f"warming up ({min(batch_size, num_prompts)} prompts)")

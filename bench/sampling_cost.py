@@ -1,0 +1,79 @@
+"""What sampling costs against greedy: output throughput of greedy, sampled (temperature 0.8, top-p 0.95, top-k 50)
+and penalised (the same plus frequency 0.5 and repetition 1.1) decoding, in one process on one device, with the op
+table's `sample` (the platform's kernel where it offers one) and with the torch reference, to choose between them.
+
+    python bench/sampling_cost.py --preset llama-3-8b --device cuda --batch-sizes 1 64 256 \
+        --json bench/results/h200_sampling_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from omnirun.bench import run_bench
+from omnirun.engine import LLM
+from omnirun.sampling import reference
+
+SETTINGS = {
+    "greedy": {},
+    "sampled": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
+    "penalised": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    llm = LLM(
+        args.preset,
+        load_format="dummy",
+        device=args.device,
+        dtype=args.dtype,
+        max_running_requests=max(args.batch_sizes),
+    )
+    sampler = llm.runner.sampler
+    ops = {"op_table": sampler.sample, "reference": reference.sample}
+    results: dict[str, dict[str, float]] = {}
+    try:
+        for bs in args.batch_sizes:
+            row: dict[str, float] = {}
+            for setting, fields in SETTINGS.items():
+                for op_name, op in ops.items() if fields else [("op_table", sampler.sample)]:
+                    sampler.sample = op
+                    run = run_bench(
+                        llm,
+                        batch_size=bs,
+                        input_len=args.input_len,
+                        output_len=args.output_len,
+                        num_prompts=bs,
+                        sampling=fields,
+                    )
+                    key = setting if not fields else f"{setting}_{op_name}"
+                    row[f"{key}_tok_s"] = run["output_tokens_per_s"]
+                    row[f"{key}_step_ms"] = run["decode_step_ms_median"]
+                    ratio = run["output_tokens_per_s"] / row.get("greedy_tok_s", run["output_tokens_per_s"])
+                    print(
+                        f"bs={bs:4d} {key:22s} {run['output_tokens_per_s']:9.0f} tok/s  step "
+                        f"{run['decode_step_ms_median']:.3f} ms  {ratio:.3f}x greedy",
+                        flush=True,
+                    )
+                sampler.sample = ops["op_table"]
+            results[f"bs{bs}"] = row
+    finally:
+        llm.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "sample_op": ops["op_table"].__module__, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
