@@ -90,6 +90,14 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
         help="recompute every prompt (default: requests share the KV pages of prefixes computed before)",
     )
     parser.add_argument(
+        "--skip-warmup",
+        dest="warmup",
+        action="store_false",
+        default=None,
+        help="answer ready before the kernels that compile on first use are built (default: warm up first where "
+        "the device compiles Triton kernels; the start-up line says how long it took)",
+    )
+    parser.add_argument(
         "--deterministic",
         action="store_true",
         default=None,
@@ -99,6 +107,6 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flags the user gave (unset ones are left to the defaults), as LLM keyword arguments."""
-    flags = ["disable_graph", "disable_overlap_schedule", "disable_prefix_caching", "deterministic"]
+    flags = ["disable_graph", "disable_overlap_schedule", "disable_prefix_caching", "warmup", "deterministic"]
     names = ["device", "dtype", "load_format", *flags] + [f.lstrip("-").replace("-", "_") for f, _, _ in _VALUE_FLAGS]
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

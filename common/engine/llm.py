@@ -22,7 +22,9 @@ from omnirun.engine.engine import Engine, KVUsage
 from omnirun.engine.loop import Channel, EngineLoop, StreamDelta
 from omnirun.engine.request import RequestOutput
 from omnirun.engine.tokenizer import load_tokenizer, tokenizer_dir
+from omnirun.engine.warmup import warm_up
 from omnirun.errors import ConfigError, EngineClosedError
+from omnirun.kernels import offers_triton
 from omnirun.launch import start_runner
 from omnirun.platform import Platform
 from omnirun.registry import select_platform
@@ -33,7 +35,13 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 _RUNNER_FLAGS = {field.name for field in dataclasses.fields(RunnerConfig)} - {"model"}
-_ENGINE_FLAGS = {"max_prefill_tokens", "chunked_prefill_size", "disable_overlap_schedule", "disable_prefix_caching"}
+_ENGINE_FLAGS = {
+    "max_prefill_tokens",
+    "chunked_prefill_size",
+    "disable_overlap_schedule",
+    "disable_prefix_caching",
+    "warmup",
+}
 
 
 class LLM:
@@ -43,7 +51,11 @@ class LLM:
     embedded in the package (random weights: its text is nonsense). Other keyword arguments are the runner's and
     engine's flags: device, dtype, kv_cache_dtype, page_size, mem_fraction_static, max_total_tokens,
     max_running_requests, attention_backend, load_format, seed, max_prefill_tokens, chunked_prefill_size,
-    disable_overlap_schedule, disable_prefix_caching, ...
+    disable_overlap_schedule, disable_prefix_caching, warmup, ...
+
+    Ready means warm (omnirun.engine.warmup): `warmup` None (the default) runs a warm-up before the LLM returns
+    where the device compiles Triton kernels on first use; True runs it anywhere, False nowhere. `warmup_s` says
+    how long it took (None: none ran).
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **flags: Any):
@@ -71,6 +83,7 @@ class LLM:
             engine_flags["overlap_schedule"] = False
         if engine_flags.pop("disable_prefix_caching", False):
             engine_flags["prefix_caching"] = False
+        warmup = engine_flags.pop("warmup", None)
         config = RunnerConfig(model=str(model), **runner_flags)  # checks the flags before anything loads
         source = tokenizer_dir(tokenizer, config.model)
         self.tokenizer = load_tokenizer(source) if source is not None else None
@@ -91,6 +104,13 @@ class LLM:
         # close() at the latest when the LLM is collected or the interpreter exits (the engine thread is joined
         # before the device memory goes).
         self._close = weakref.finalize(self, _close, self._loop, self.engine)
+        self.warmup_s: float | None = None
+        if warmup if warmup is not None else offers_triton(self.runner.capabilities):
+            try:
+                self.warmup_s = warm_up(self)
+            except BaseException:
+                self.close()
+                raise
 
     # --- lifecycle ---
     def close(self) -> None:

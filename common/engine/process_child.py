@@ -53,7 +53,7 @@ def child_main(inbox: Connection, outbox: Connection, model: str, tokenizer: str
     llm.engine_loop.after_step = steps.flush
     runner = llm.runner
     facts = (runner.config.model, runner.context_length, runner.shape.vocab_size)
-    sender.send(("ready", facts, runner.describe()))
+    sender.send(("ready", facts, {**runner.describe(), "warmup_s": llm.warmup_s}))
     steps.flush()  # the first stats, before any step (no request is in yet: the engine thread is idle)
     try:
         alive = _serve(inbox, llm.engine, llm.engine_loop, steps, sender)

@@ -16,7 +16,7 @@ def engine_description(engine: Any) -> dict[str, Any]:
     child sent them when it was ready)."""
     if isinstance(engine, LLM):
         runner = engine.runner
-        return {**runner.describe(), "engine": "thread"}
+        return {**runner.describe(), "warmup_s": engine.warmup_s, "engine": "thread"}
     return {**engine.description, "engine": "process", "engine_pid": engine.pid}
 
 
@@ -33,6 +33,7 @@ def summary_line(served_model_name: str, model: str, description: dict[str, Any]
         "max_running_requests": d["max_running_requests"],
         "graphs": d["graph_runner"],  # the graph runner's class, or "eager"
         "deterministic": d["deterministic"],
+        "warmup_s": None if d.get("warmup_s") is None else f"{d['warmup_s']:.1f}",  # absent: no warm-up ran
         "engine": d["engine"],  # "thread", or "process" (then its pid too)
         "engine_pid": d.get("engine_pid"),
         "address": address,

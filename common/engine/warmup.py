@@ -1,0 +1,72 @@
+"""Ready means warm: before an LLM returns (and so before `omnirun serve` answers /health with 200), run once what
+compiles on first use, so that no user's request waits for a compiler.
+
+What compiles lazily are the Triton kernels (each new specialisation on first launch): the prefill attention and KV
+store at a full chunk and at short prompts, eager decode at small batches, and the sampling kernel for every
+combination of its filters. Decode at each captured batch size compiled when the graphs were captured. Triton
+keeps what it compiled in its cache (~/.triton/cache, or $TRITON_CACHE_DIR): a deployment that keeps that folder
+between restarts (a mounted volume) warms up in seconds.
+
+The warm-up leaves no trace a user could see: its prompts leave the prefix cache, and the decode-step log that
+`omnirun bench` reads starts empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from omnirun.sampling import SamplingBatch, SamplingParams, TokenHistory
+
+if TYPE_CHECKING:
+    from omnirun.engine.llm import LLM
+
+logger = logging.getLogger(__name__)
+
+# Short prompts in one batch: both of Triton's integer specialisations (a multiple of 16 and not) at prefill, and
+# the eager decode batches they make.
+_SHORT_PROMPTS = (16, 16, 5)
+_NEW_TOKENS = 3
+
+
+def warm_up(llm: LLM) -> float:
+    """Run the warm-up through `llm`'s engine and sampler; the seconds it took."""
+    start = time.perf_counter()
+    engine, runner = llm.engine, llm.runner
+    vocab = runner.shape.vocab_size
+    rng = random.Random(0)
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(length)]
+
+    greedy = SamplingParams(temperature=0, max_new_tokens=_NEW_TOKENS, ignore_eos=True)
+    # The largest prefill the scheduler makes: one whole chunk (within the context and half the KV pool).
+    chunk = min(engine.scheduler.chunked_prefill_size, runner.context_length - _NEW_TOKENS, runner.kv.total_tokens // 2)
+    llm.generate([prompt(max(chunk, 1))], greedy, use_tqdm=False)
+    llm.generate([prompt(n) for n in _SHORT_PROMPTS], greedy, use_tqdm=False)
+    _warm_sampler(llm, vocab)
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.flush()
+    engine.decode_steps.clear()
+    runner.platform.synchronize()
+    seconds = time.perf_counter() - start
+    logger.info("warmed up in %.1f s", seconds)
+    return seconds
+
+
+def _warm_sampler(llm: LLM, vocab: int) -> None:
+    """The sampler once for every combination of top-k, top-p and min-p (each a specialisation of a sampling
+    kernel), with penalties and logprobs, on random logits of the model's shape."""
+    runner = llm.runner
+    logits = torch.randn(2, vocab, device=runner.device).to(runner.dtype)
+    for top_k, top_p, min_p in itertools.product((-1, 20), (1.0, 0.9), (0.0, 0.05)):
+        params = [SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p, seed=1), SamplingParams()]
+        runner.sampler(logits, SamplingBatch.build(params, [0, 0], runner.device, vocab_size=vocab))
+    penalised = SamplingParams(temperature=0.8, frequency_penalty=0.5, repetition_penalty=1.1, logprobs=2)
+    history = TokenHistory(prompt_ids=[[1, 2], [3]], output_ids=[[4], []])
+    runner.sampler(logits, SamplingBatch.build([penalised] * 2, [1, 0], runner.device, vocab, history))
