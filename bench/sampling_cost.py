@@ -40,6 +40,7 @@ def main() -> None:
         dtype=args.dtype,
         max_running_requests=max(args.batch_sizes),
     )
+    print(f"warm-up {llm.warmup_s} s", flush=True)
     sampler = llm.runner.sampler
     ops = {"op_table": sampler.sample, "reference": reference.sample}
     results: dict[str, dict[str, float]] = {}
@@ -72,7 +73,16 @@ def main() -> None:
         llm.close()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "sample_op": ops["op_table"].__module__, "results": results}, f, indent=2)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "sample_op": ops["op_table"].__module__,
+                    "warmup_s": llm.warmup_s,
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":
