@@ -59,17 +59,25 @@ def _scaled(row_ptr, offs, vocab, top, temperature):
 
 
 @triton.jit
-def _kept(row_ptr, vocab, top, temperature, cut, BLOCK: tl.constexpr):
-    """(count, mass) of the tokens with d <= cut: how many, and the sum of their exp(-d)."""
+def _count_kept(row_ptr, vocab, top, temperature, cut, BLOCK: tl.constexpr):
+    """How many tokens have d <= cut."""
     count = tl.full((), 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        d = _scaled(row_ptr, offs, vocab, top, temperature)
+        count += tl.sum(((d <= cut) & (offs < vocab)).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _mass_kept(row_ptr, vocab, top, temperature, cut, BLOCK: tl.constexpr):
+    """The sum of exp(-d) over the tokens with d <= cut."""
     mass = tl.full((), 0.0, tl.float32)
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         d = _scaled(row_ptr, offs, vocab, top, temperature)
-        keep = (d <= cut) & (offs < vocab)
-        count += tl.sum(keep.to(tl.int32), axis=0)
-        mass += tl.sum(tl.where(keep, tl.exp(-d), 0.0), axis=0)
-    return count, mass
+        mass += tl.sum(tl.where((d <= cut) & (offs < vocab), tl.exp(-d), 0.0), axis=0)
+    return mass
 
 
 @triton.jit(do_not_specialize=["vocab", "stride"])
@@ -106,7 +114,7 @@ def _sample_kernel(
             for _ in range(_BISECTION_STEPS):
                 if lo < hi:
                     mid = lo + (hi - lo) // 2
-                    count, _mass = _kept(row_ptr, vocab, top, temperature, mid.to(tl.float32, bitcast=True), BLOCK)
+                    count = _count_kept(row_ptr, vocab, top, temperature, mid.to(tl.float32, bitcast=True), BLOCK)
                     if count == k:  # exactly the top k: no tie crosses this cut
                         lo = mid
                         hi = mid
@@ -118,14 +126,14 @@ def _sample_kernel(
     if TOP_P:
         top_p = tl.load(top_ps_ptr + row)
         if top_p < 1.0:
-            _count, total = _kept(row_ptr, vocab, top, temperature, cut_bits.to(tl.float32, bitcast=True), BLOCK)
+            total = _mass_kept(row_ptr, vocab, top, temperature, cut_bits.to(tl.float32, bitcast=True), BLOCK)
             target = top_p * total
             lo = tl.full((), 0, tl.int32)
             hi = cut_bits
             for _ in range(_BISECTION_STEPS):
                 if lo < hi:
                     mid = lo + (hi - lo) // 2
-                    _count, mass = _kept(row_ptr, vocab, top, temperature, mid.to(tl.float32, bitcast=True), BLOCK)
+                    mass = _mass_kept(row_ptr, vocab, top, temperature, mid.to(tl.float32, bitcast=True), BLOCK)
                     if mass >= target:
                         hi = mid
                     else:
