@@ -17,8 +17,9 @@ import torch.distributed as dist
 from omnirun.distributed import init_distributed, plan_world
 from omnirun.facts import Capabilities
 from omnirun.layers import native_ops
-from omnirun.layers.ops import OP_NAMES, resolve_ops
+from omnirun.layers.ops import OP_NAMES, Ops, resolve_ops
 from omnirun.registry import default_registry
+from omnirun.sampling import SamplingBatch, SamplingParams
 
 MIB = 1 << 20
 
@@ -212,6 +213,23 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
         logits[0, 17] = logits[0, 9_000] = logits[0].max() + 1  # ties go to the first index
         logits[1, 4_096] = float("inf")
         return (logits,)
+    if name == "sample":
+        # Seeded rows with every filter (logits in halves: ties at the cuts), sampled with the batch's keys: a
+        # filter that keeps one token too many or too few shows in some row's draw.
+        rows = 32
+        logits = (rand(rows, 1_000, scale=4.0).float().round() / 2).to(dtype)
+        filters = [
+            dict(temperature=0.7),
+            dict(top_k=5),
+            dict(temperature=1.3, top_p=0.6),
+            dict(temperature=0.9, min_p=0.1),
+            dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02),
+            dict(top_k=1),
+            dict(temperature=2.0, top_p=0.3),
+            dict(temperature=0.5, top_k=3, top_p=0.5),
+        ]
+        params = [SamplingParams(**filters[i % len(filters)], seed=i) for i in range(rows)]
+        return logits, SamplingBatch.build(params, list(range(rows)), device, vocab_size=logits.shape[1])
     if name == "rotary_embedding":
         table = torch.randn(64, 32, generator=gen).to(device)  # float32 [positions, head_dim]: cos | sin
         positions = torch.tensor([0, 3, 9, 17, 63], device=device)
@@ -232,11 +250,11 @@ def test_fused_ops_match_the_torch_native_references(platform):
             args = _op_inputs(name, dtype, device, fused)
             reference_args = args[:-1] + (None,) if name == "linear" else args
             # The reference first, on copies: a fused op may work in place (triton's add_rms_norm writes its inputs).
-            expected = getattr(native_ops, name)(*(a.clone() if torch.is_tensor(a) else a for a in reference_args))
+            expected = getattr(Ops(), name)(*(a.clone() if torch.is_tensor(a) else a for a in reference_args))
             got = op(*args)
             for g, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, expected)), strict=True):
                 assert g.dtype == e.dtype and g.shape == e.shape, name
-                if not e.is_floating_point():  # argmax's indices: exactly the reference's
+                if not e.is_floating_point():  # argmax's and sample's token ids: exactly the reference's
                     assert torch.equal(g, e), f"{name} in {dtype}: {g.tolist()} != {e.tolist()}"
                     continue
                 torch.testing.assert_close(g.float(), e.float(), **tolerance, msg=f"{name} in {dtype}")
