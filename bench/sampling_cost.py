@@ -11,15 +11,34 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from omnirun.bench import run_bench
 from omnirun.engine import LLM
-from omnirun.sampling import reference
+from omnirun.sampling import SamplingBatch, SamplingParams, reference
 
 SETTINGS = {
     "greedy": {},
     "sampled": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
     "penalised": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
 }
+
+
+def op_ms(llm: LLM, op, batch_size: int, fields: dict, repeats: int = 20) -> float:
+    """The sample op alone on random logits of the model's vocabulary: milliseconds per call (device events)."""
+    runner = llm.runner
+    vocab = runner.shape.vocab_size
+    logits = torch.randn(batch_size, vocab, device=runner.device).to(runner.dtype)
+    params = [SamplingParams(**fields)] * batch_size
+    batch = SamplingBatch.build(params, [0] * batch_size, runner.device, vocab_size=vocab)
+    op(logits, batch)  # compile
+    start, end = runner.platform.event(enable_timing=True), runner.platform.event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        op(logits, batch)
+    end.record()
+    runner.platform.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def main() -> None:
@@ -68,6 +87,9 @@ def main() -> None:
                         flush=True,
                     )
                 sampler.sample = ops["op_table"]
+            for op_name, op in ops.items():
+                row[f"op_{op_name}_ms"] = op_ms(llm, op, bs, SETTINGS["sampled"])
+                print(f"bs={bs:4d} sample op alone ({op_name}): {row[f'op_{op_name}_ms']:.3f} ms", flush=True)
             results[f"bs{bs}"] = row
     finally:
         llm.close()
