@@ -131,3 +131,13 @@ def test_rows_past_the_vocabulary_block_and_tiny_temperatures():
     got = sample(logits, batch)
     assert got[0] == vocab - 2
     assert torch.equal(got.cpu(), reference.sample(logits, batch).cpu())
+
+
+@pytest.mark.parametrize("pivots", [2, 4])
+def test_fewer_pivots_per_pass_find_the_same_cuts(pivots):
+    """The search tries 16 cuts per pass by default; 2 (a bisection) and 4 must land on the same cuts."""
+    rows, vocab = (256, 3000) if _compiled() else (24, 60)
+    gen = torch.Generator().manual_seed(pivots)
+    logits = ((torch.randn(rows, vocab, generator=gen) * 4).round() / 2).to(DEVICE)
+    batch = SamplingBatch.build(_random_params(rows, pivots), list(range(rows)), DEVICE, vocab_size=vocab)
+    assert torch.equal(sample(logits, batch, pivots=pivots).cpu(), reference.sample(logits, batch).cpu())

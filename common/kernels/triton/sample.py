@@ -1,16 +1,17 @@
-"""The `sample` op as one Triton kernel, without a sort: temperature, top-k, top-p and min-p thresholds found by
-bisection, then the exponential race, one program per row.
+"""The `sample` op as one Triton kernel, without a sort: temperature, top-k, top-p and min-p cuts found by search,
+then the exponential race, one program per row.
 
 Each row's logits are scaled as the reference scales them, d = (max - x) / temperature >= 0 (0 for the most likely
 token, larger for less likely ones; the probability is exp(-d) / Z). A filter keeps the tokens with d at most a
-cut, found by bisecting over the bits of non-negative float32 values, whose integer order is their order:
+cut, found by searching the bits of non-negative float32 values, whose integer order is their order (each pass
+over the row tries SEARCH_PIVOTS cuts at once):
 - top-k: the smallest cut that keeps at least k tokens (every token tied with the k-th stays, as in the reference),
   and a count of exactly k ends the search early;
 - top-p: the smallest cut, no larger than top-k's, whose kept mass reaches top_p of what top-k kept (the whole tie
   at the cut stays, as in the reference);
 - min-p: a token stays where exp(-d) >= min_p (min_p times the most likely token's probability).
-Each step of a bisection reads the row once (from L2 for all but the largest batches); a row with a filter off
-skips its passes. The race draws q ~ Exponential(1) from the same counter-based hash as the reference
+Each search step reads the row once (from L2 for all but the largest batches); a row with a filter off skips its
+passes. The race draws q ~ Exponential(1) from the same counter-based hash as the reference
 (omnirun.sampling.counter_rng), so a seeded row draws the same numbers in both.
 
 Importing this module imports triton; the capability gate (omnirun.kernels) offers it only where triton runs.
@@ -37,7 +38,10 @@ _UNIFORM_MASK = tl.constexpr((1 << counter_rng.UNIFORM_BITS) - 1)
 _UNIFORM_SCALE = tl.constexpr(2.0**-counter_rng.UNIFORM_BITS)
 _Q_MIN = tl.constexpr(counter_rng.Q_MIN)
 _INF_BITS = tl.constexpr(0x7F800000)  # +inf as int32 bits: every finite d and +inf lie at or below it
-_BISECTION_STEPS = tl.constexpr(31)  # one per bit of a non-negative float32
+# Each search step tries SEARCH_PIVOTS cuts in one pass over the row and keeps 1/SEARCH_PIVOTS of the range: 16
+# pivots find a cut among 2**31 bit patterns in 8 passes (2 pivots, a bisection, in 31).
+SEARCH_PIVOTS = 16
+_SEARCH_STEPS = tl.constexpr(31)  # enough for 2 pivots; a search with more stops early (lo == hi)
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -59,25 +63,39 @@ def _scaled(row_ptr, offs, vocab, top, temperature):
 
 
 @triton.jit
-def _count_kept(row_ptr, vocab, top, temperature, cut, BLOCK: tl.constexpr):
-    """How many tokens have d <= cut."""
-    count = tl.full((), 0, tl.int32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        d = _scaled(row_ptr, offs, vocab, top, temperature)
-        count += tl.sum(((d <= cut) & (offs < vocab)).to(tl.int32), axis=0)
-    return count
+def _pivots(lo, hi, PIVOTS: tl.constexpr):
+    """PIVOTS cut candidates (int32 float bits) splitting [lo, hi] evenly, the last one hi: a search step tries them
+    all in one pass over the row."""
+    step = (hi - lo + PIVOTS) // PIVOTS  # ceil((hi - lo + 1) / PIVOTS): no int32 overflow below +inf's bits
+    return tl.minimum(lo + (tl.arange(0, PIVOTS) + 1) * step - 1, hi)
 
 
 @triton.jit
-def _mass_kept(row_ptr, vocab, top, temperature, cut, BLOCK: tl.constexpr):
-    """The sum of exp(-d) over the tokens with d <= cut."""
-    mass = tl.full((), 0.0, tl.float32)
+def _kept_at(row_ptr, vocab, top, temperature, pivots, MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """For each cut of `pivots` (float bits): how many tokens have d <= cut, or (MASS) the sum of their exp(-d)."""
+    cuts = pivots.to(tl.float32, bitcast=True)[:, None]
+    total = tl.zeros(pivots.shape, tl.float32 if MASS else tl.int32)
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         d = _scaled(row_ptr, offs, vocab, top, temperature)
-        mass += tl.sum(tl.where((d <= cut) & (offs < vocab), tl.exp(-d), 0.0), axis=0)
-    return mass
+        kept = (d[None, :] <= cuts) & (offs < vocab)[None, :]
+        if MASS:
+            total += tl.sum(tl.where(kept, tl.exp(-d)[None, :], 0.0), axis=1)
+        else:
+            total += tl.sum(kept.to(tl.int32), axis=1)
+    return total
+
+
+@triton.jit
+def _narrow(lo, pivots, holds, PIVOTS: tl.constexpr):
+    """The new [lo, hi] after one search step: hi the first pivot where the condition holds (the last always
+    does), lo one past the pivot before it. Also the index of that pivot."""
+    index = tl.arange(0, PIVOTS)
+    first = PIVOTS - tl.sum(holds.to(tl.int32), axis=0)  # the condition holds from `first` on
+    hi = tl.sum(tl.where(index == first, pivots, 0), axis=0)
+    below = tl.sum(tl.where(index == first - 1, pivots, 0), axis=0)
+    lo = tl.where(first == 0, lo, below + 1)
+    return lo, hi, first
 
 
 @triton.jit(do_not_specialize=["vocab", "stride"])
@@ -94,7 +112,9 @@ def _sample_kernel(
     TOP_K: tl.constexpr,
     TOP_P: tl.constexpr,
     MIN_P: tl.constexpr,
+    PIVOTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride
@@ -109,35 +129,30 @@ def _sample_kernel(
     if TOP_K:
         k = tl.load(top_ks_ptr + row)
         if k < vocab:
+            # The smallest cut that keeps at least k tokens.
             lo = tl.full((), 0, tl.int32)
             hi = cut_bits
-            for _ in range(_BISECTION_STEPS):
+            for _ in range(_SEARCH_STEPS):
                 if lo < hi:
-                    mid = lo + (hi - lo) // 2
-                    count = _count_kept(row_ptr, vocab, top, temperature, mid.to(tl.float32, bitcast=True), BLOCK)
-                    if count == k:  # exactly the top k: no tie crosses this cut
-                        lo = mid
-                        hi = mid
-                    elif count > k:
-                        hi = mid
-                    else:
-                        lo = mid + 1
+                    pivots = _pivots(lo, hi, PIVOTS)
+                    counts = _kept_at(row_ptr, vocab, top, temperature, pivots, False, SEARCH_BLOCK)
+                    lo, hi, first = _narrow(lo, pivots, counts >= k, PIVOTS)
+                    if tl.sum(tl.where(tl.arange(0, PIVOTS) == first, counts, 0), axis=0) == k:
+                        lo = hi  # exactly the top k: no tie crosses this cut
             cut_bits = hi
     if TOP_P:
         top_p = tl.load(top_ps_ptr + row)
         if top_p < 1.0:
-            total = _mass_kept(row_ptr, vocab, top, temperature, cut_bits.to(tl.float32, bitcast=True), BLOCK)
-            target = top_p * total
+            # The smallest cut within top-k's whose kept mass reaches top_p of top-k's.
+            total = _kept_at(row_ptr, vocab, top, temperature, tl.full((1,), 0, tl.int32) + cut_bits, True, BLOCK)
+            target = top_p * tl.sum(total, axis=0)
             lo = tl.full((), 0, tl.int32)
             hi = cut_bits
-            for _ in range(_BISECTION_STEPS):
+            for _ in range(_SEARCH_STEPS):
                 if lo < hi:
-                    mid = lo + (hi - lo) // 2
-                    mass = _mass_kept(row_ptr, vocab, top, temperature, mid.to(tl.float32, bitcast=True), BLOCK)
-                    if mass >= target:
-                        hi = mid
-                    else:
-                        lo = mid + 1
+                    pivots = _pivots(lo, hi, PIVOTS)
+                    masses = _kept_at(row_ptr, vocab, top, temperature, pivots, True, SEARCH_BLOCK)
+                    lo, hi, _first = _narrow(lo, pivots, masses >= target, PIVOTS)
             cut_bits = hi
     min_p = 0.0
     if MIN_P:
@@ -162,9 +177,9 @@ def _sample_kernel(
     tl.store(out_ptr + row, best_id)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch: SamplingBatch, pivots: int = SEARCH_PIVOTS) -> torch.Tensor:
     """The `sample` op (omnirun.sampling.reference.sample's contract): int64 [B]. Layouts and dtypes the kernel
-    does not take go to the reference."""
+    does not take go to the reference. `pivots`: cuts tried per pass of a search (a power of two >= 2)."""
     if logits.dim() != 2 or logits.stride(-1) != 1 or logits.dtype not in _KERNEL_DTYPES:
         return reference.sample(logits, batch)
     rows, vocab = logits.shape
@@ -185,7 +200,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         TOP_K=batch.any_top_k,
         TOP_P=batch.any_top_p,
         MIN_P=batch.any_min_p,
+        PIVOTS=pivots,
         BLOCK=block,
+        SEARCH_BLOCK=max(4 * block // pivots, 64),
         num_warps=8 if block >= 2048 else 4,
     )
     return out
