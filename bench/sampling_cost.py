@@ -9,6 +9,7 @@ table's `sample` (the platform's kernel where it offers one) and with the torch 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -87,7 +88,10 @@ def main() -> None:
                         flush=True,
                     )
                 sampler.sample = ops["op_table"]
-            for op_name, op in ops.items():
+            alone = dict(ops)
+            if getattr(ops["op_table"], "__module__", "") == "omnirun.kernels.triton.sample":
+                alone["triton_bisection"] = functools.partial(ops["op_table"], pivots=2)  # against 16 pivots a pass
+            for op_name, op in alone.items():
                 row[f"op_{op_name}_ms"] = op_ms(llm, op, bs, SETTINGS["sampled"])
                 print(f"bs={bs:4d} sample op alone ({op_name}): {row[f'op_{op_name}_ms']:.3f} ms", flush=True)
             results[f"bs{bs}"] = row
