@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omnirun.errors import SamplingParamsError
-from omnirun.sampling import Sampler, SamplingBatch, SamplingParams, TokenHistory
+from omnirun.sampling import Sampler, SamplingBatch, SamplingParams, TokenHistory, reference
 from omnirun.sampling.adjust import LogitAdjustments
 
 
@@ -70,25 +70,27 @@ def test_adjusted_logits_are_a_new_float32_tensor():
     assert logits.tolist() == [[1.0, 2.0, 3.0]]  # left as it was
 
 
-def test_a_nucleus_cut_inside_tied_tokens_keeps_the_lowest_token_ids():
-    """The sort is stable: among equal logits the cut keeps token ids in order (an unstable sort of 100 tokens
-    on the CPU does not)."""
+def test_a_nucleus_cut_inside_tied_tokens_keeps_the_whole_tie():
+    """A cut keeps every token equal to the last one the nucleus needs, so the filter does not depend on the order
+    of equal values (and a sort-free kernel finds the same cut)."""
     logits = torch.zeros(1, 100)
     logits[0, ::3] = 10.0  # 34 tied tokens hold almost all the mass, 1/34 each
+    logits[0, 1] = 10.5  # one token above them
     batch = SamplingBatch.build([SamplingParams(top_p=0.4)], [0], "cpu", vocab_size=100)
-    kept = (Sampler._filtered_probs(logits, batch)[0] > 0).nonzero().flatten().tolist()
-    # sorted positions 0..13 have less than 0.4 before them (13/34 = 0.38), position 14 has 14/34 = 0.41
-    assert kept == list(range(0, 42, 3))
+    kept = (reference.filtered_probs(logits, batch)[0] > 0).nonzero().flatten().tolist()
+    # the nucleus needs the top token and some of the tie (0.4 is more than the top token's share): all 34 stay
+    assert kept == sorted([1, *range(0, 100, 3)])
 
 
 def _kept(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     batch = SamplingBatch.build(params, [0] * len(params), "cpu", vocab_size=logits.shape[-1])
-    return Sampler._filtered_probs(logits, batch)
+    return reference.filtered_probs(logits, batch)
 
 
 def test_the_nucleus_is_the_shortest_prefix_that_reaches_top_p():
-    probs = _kept(torch.zeros(1, 4), [SamplingParams(top_p=0.5)])  # 0.25 each: two tokens reach 0.5 exactly
-    assert probs.tolist() == [[0.5, 0.5, 0.0, 0.0]]  # (the nucleus, renormalised)
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()  # the two first reach 0.75 exactly
+    probs = _kept(logits, [SamplingParams(top_p=0.75)])
+    assert probs.tolist() == pytest.approx([[2 / 3, 1 / 3, 0.0, 0.0]])  # (the nucleus, renormalised)
 
 
 def test_a_row_with_top_p_one_keeps_its_tail_when_the_cumsum_rounds_to_one():
