@@ -90,7 +90,7 @@ def _kept(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 def test_the_nucleus_is_the_shortest_prefix_that_reaches_top_p():
     logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()  # the two first reach 0.75 exactly
     probs = _kept(logits, [SamplingParams(top_p=0.75)])
-    assert probs.tolist() == pytest.approx([[2 / 3, 1 / 3, 0.0, 0.0]])  # (the nucleus, renormalised)
+    assert probs[0].tolist() == pytest.approx([2 / 3, 1 / 3, 0.0, 0.0])  # (the nucleus, renormalised)
 
 
 def test_a_row_with_top_p_one_keeps_its_tail_when_the_cumsum_rounds_to_one():
