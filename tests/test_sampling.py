@@ -9,7 +9,7 @@ import torch
 
 from omnirun.errors import SamplingParamsError
 from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams
-from omnirun.sampling.counter_rng import as_int64, exponentials, row_keys
+from omnirun.sampling.counter_rng import exponentials, row_key
 
 DRAWS = 20000
 
@@ -105,7 +105,7 @@ def test_batch_tensors_and_flags():
     assert b.top_ps.tolist() == pytest.approx([1.0, 1.0, 0.9, 1.0])
     assert b.min_ps.tolist() == pytest.approx([0.0, 0.0, 0.1, 0.0])
     assert b.greedy.tolist() == [True, False, False, False]
-    assert b.keys.dtype == torch.int64 and b.keys[1] == row_keys(torch.tensor(3), torch.tensor(2))
+    assert b.keys.dtype == torch.int64 and b.keys[1] == row_key(3, 2)
     assert (b.all_greedy, b.any_top_k, b.any_top_p, b.any_min_p, b.max_logprobs) == (False, True, True, True, 4)
 
     only_greedy = SamplingBatch.build([SamplingParams(temperature=0, top_p=0.5)] * 2, [0, 0], "cpu")
@@ -412,13 +412,13 @@ def _splitmix64_mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def test_the_row_keys_and_draws_are_splitmix64_of_seed_token_index_and_token_id():
+def test_the_row_key_and_draws_are_splitmix64_of_seed_token_index_and_token_id():
     golden, mask = 0x9E3779B97F4A7C15, (1 << 64) - 1
     assert _splitmix64_mix(golden) == 0xE220A8397B1DCDAF  # splitmix64's first output from state 0
     for seed, index in [(0, 0), (1, 0), (0, 1), (42, 7), (-7, 3), (2**40 + 5, 1000), (2**64 + 9, 2)]:
         key = _splitmix64_mix((_splitmix64_mix((seed + golden) & mask) + index * golden) & mask)
-        got = row_keys(torch.tensor([as_int64(seed)]), torch.tensor([index]))
-        assert int(got) & mask == key, (seed, index)
+        got = torch.tensor([row_key(seed, index)])
+        assert row_key(seed, index) & mask == key, (seed, index)
         # The draw for token id t: the top 24 bits of mix(key + (t + 1) * golden) as a uniform in (0, 1].
         bits = [_splitmix64_mix((key + (t + 1) * golden) & mask) >> 40 for t in range(5)]
         expected = [-math.log((b + 1) / 2**24) for b in bits]

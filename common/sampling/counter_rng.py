@@ -3,7 +3,8 @@ seeded request's draw depends on its seed and token index alone, never on its ba
 no generator object is made per row, nothing waits for the host, and a device graph can replay it.
 
 The hash is splitmix64's finaliser (Vigna, splitmix64.c) in wrapping int64 arithmetic: torch here, and the same
-steps in the Triton sampling kernel (omnirun.kernels.triton.sample), so both draw the same numbers for a key.
+steps in the Triton sampling kernel (omnirun.kernels.triton.sample), so both draw the same numbers for a key. Row
+keys are made on the host (`row_key`), where the batch's parameters are collected anyway.
 """
 
 from __future__ import annotations
@@ -32,15 +33,27 @@ def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors."""
+    """splitmix64's finaliser on int64 tensors (the Triton kernel's `_mix`)."""
     x = (x ^ _shift_right(x, 30)) * MIX_1
     x = (x ^ _shift_right(x, 27)) * MIX_2
     return x ^ _shift_right(x, 31)
 
 
-def row_keys(seeds: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
-    """The key of each row's draw: its request's seed and the index of the output token it samples, mixed."""
-    return mix(mix(seeds + GOLDEN) + token_index * GOLDEN)
+_MASK = (1 << 64) - 1
+
+
+def _mix_int(x: int) -> int:
+    """`mix` of one number, on the host (unsigned 64-bit arithmetic)."""
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, token_index: int) -> int:
+    """The key of a row's draw, on the host, as an int64: its request's seed and the index of the output token it
+    samples, mixed; what a batch copies to the device with its parameters."""
+    return as_int64(_mix_int(_mix_int(seed + GOLDEN) + token_index * GOLDEN))
 
 
 def exponentials(keys: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from omnirun.host_to_device import to_device
 from omnirun.layers import native_ops
 from omnirun.sampling import reference
 from omnirun.sampling.adjust import LogitAdjustments, TokenHistory
-from omnirun.sampling.counter_rng import as_int64, row_keys
+from omnirun.sampling.counter_rng import row_key
 from omnirun.sampling.params import SamplingParams
 
 _INT64 = torch.iinfo(torch.int64)
@@ -36,7 +36,7 @@ class SamplingBatch:
     top_ks: torch.Tensor  # [B] int64, vocab size (or larger) where off
     min_ps: torch.Tensor  # [B] float32, 0 where off
     greedy: torch.Tensor  # [B] bool
-    keys: torch.Tensor | None  # [B] int64: each row's random key (counter_rng.row_keys); None when all are greedy
+    keys: torch.Tensor | None  # [B] int64: each row's random key (counter_rng.row_key); None when all are greedy
     all_greedy: bool
     any_top_p: bool
     any_top_k: bool
@@ -79,13 +79,17 @@ class SamplingBatch:
             if vocab_size is None:
                 raise SamplingParamsError("penalties, logit_bias and min_tokens need SamplingBatch.build(vocab_size=)")
             adjustments = LogitAdjustments.build(params, token_index, history, vocab_size, device)
-        return cls(  # each built on the host and copied without a sync (see omnirun.host_to_device)
-            temperatures=to_device(temperatures, torch.float32, device),
-            top_ps=to_device([p.top_p for p in params], torch.float32, device),
-            top_ks=to_device([p.top_k if p.top_k > 0 else k_off for p in params], torch.int64, device),
-            min_ps=to_device([p.min_p for p in params], torch.float32, device),
+        # Built on the host and copied without a sync (see omnirun.host_to_device), in three copies: one per dtype.
+        floats = to_device([temperatures, [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+        top_ks = [p.top_k if p.top_k > 0 else k_off for p in params]
+        ints = to_device([top_ks, _keys(params, token_index)] if sampled else [top_ks], torch.int64, device)
+        return cls(
+            temperatures=floats[0],
+            top_ps=floats[1],
+            top_ks=ints[0],
+            min_ps=floats[2],
             greedy=to_device(greedy, torch.bool, device),
-            keys=_keys(params, token_index, device) if sampled else None,
+            keys=ints[1] if sampled else None,
             all_greedy=not sampled,
             any_top_p=any(p.top_p < 1 for p in sampled),
             any_top_k=any(p.top_k > 0 for p in sampled),
@@ -138,10 +142,9 @@ class Sampler:
         return SampleOutput(token_ids=token_ids, logprobs=chosen, top_logprob_ids=top_ids, top_logprobs=top_values)
 
 
-def _keys(params: Sequence[SamplingParams], token_index: Sequence[int], device: torch.device | str) -> torch.Tensor:
-    """Each row's random key: a seeded request's from its seed and token index, any other row's from a seed the
-    global RNG draws on the device (no host round trip, and a replayed graph draws afresh)."""
-    seeded = to_device([p.seed is not None for p in params], torch.bool, device)
-    seeds = to_device([as_int64(p.seed or 0) for p in params], torch.int64, device)
-    drawn = torch.randint(_INT64.min, _INT64.max, (len(params),), dtype=torch.int64, device=device)
-    return row_keys(torch.where(seeded, seeds, drawn), to_device(list(token_index), torch.int64, device))
+def _keys(params: Sequence[SamplingParams], token_index: Sequence[int]) -> list[int]:
+    """Each row's random key, made on the host: a seeded request's from its seed and token index, any other row's
+    a draw of torch's global (CPU) RNG, which torch.manual_seed seeds. No device work: one copy carries them."""
+    unseeded = sum(p.seed is None for p in params)
+    drawn = iter(torch.randint(_INT64.min, _INT64.max, (unseeded,), dtype=torch.int64).tolist() if unseeded else ())
+    return [next(drawn) if p.seed is None else row_key(p.seed, i) for p, i in zip(params, token_index, strict=True)]
