@@ -3,7 +3,7 @@
 The sampler never syncs with the host. Greedy rows take the op table's `argmax`; sampled rows its `sample` (the
 torch reference in omnirun.sampling.reference, or a platform's kernel), whose random numbers are a hash of each
 row's key (omnirun.sampling.counter_rng): a seeded request's key is its seed and token index, any other row's a
-draw of the global RNG made on the device.
+draw of torch's global CPU RNG; the keys reach the device with the other parameters.
 """
 
 from __future__ import annotations
