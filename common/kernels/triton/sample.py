@@ -98,6 +98,24 @@ def _narrow(lo, pivots, holds, PIVOTS: tl.constexpr):
     return lo, hi, first
 
 
+@triton.jit
+def _smallest_cut(
+    row_ptr, vocab, top, temperature, hi, need, MASS: tl.constexpr, PIVOTS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """The smallest cut (float bits, at most `hi`) that keeps at least `need` tokens, or (MASS) at least `need` of
+    probability mass. A count of exactly `need` ends the search at once: no tie crosses that cut."""
+    lo = tl.full((), 0, tl.int32)
+    for _ in range(_SEARCH_STEPS):
+        if lo < hi:
+            pivots = _pivots(lo, hi, PIVOTS)
+            kept = _kept_at(row_ptr, vocab, top, temperature, pivots, MASS, BLOCK)
+            lo, hi, first = _narrow(lo, pivots, kept >= need, PIVOTS)
+            if not MASS:
+                if tl.sum(tl.where(tl.arange(0, PIVOTS) == first, kept, 0), axis=0) == need:
+                    lo = hi
+    return hi
+
+
 @triton.jit(do_not_specialize=["vocab", "stride"])
 def _sample_kernel(
     logits_ptr,
@@ -129,31 +147,14 @@ def _sample_kernel(
     if TOP_K:
         k = tl.load(top_ks_ptr + row)
         if k < vocab:
-            # The smallest cut that keeps at least k tokens.
-            lo = tl.full((), 0, tl.int32)
-            hi = cut_bits
-            for _ in range(_SEARCH_STEPS):
-                if lo < hi:
-                    pivots = _pivots(lo, hi, PIVOTS)
-                    counts = _kept_at(row_ptr, vocab, top, temperature, pivots, False, SEARCH_BLOCK)
-                    lo, hi, first = _narrow(lo, pivots, counts >= k, PIVOTS)
-                    if tl.sum(tl.where(tl.arange(0, PIVOTS) == first, counts, 0), axis=0) == k:
-                        lo = hi  # exactly the top k: no tie crosses this cut
-            cut_bits = hi
+            cut_bits = _smallest_cut(row_ptr, vocab, top, temperature, cut_bits, k, False, PIVOTS, SEARCH_BLOCK)
     if TOP_P:
         top_p = tl.load(top_ps_ptr + row)
         if top_p < 1.0:
-            # The smallest cut within top-k's whose kept mass reaches top_p of top-k's.
+            # Within top-k's cut: the smallest cut whose kept mass reaches top_p of top-k's.
             total = _kept_at(row_ptr, vocab, top, temperature, tl.full((1,), 0, tl.int32) + cut_bits, True, BLOCK)
-            target = top_p * tl.sum(total, axis=0)
-            lo = tl.full((), 0, tl.int32)
-            hi = cut_bits
-            for _ in range(_SEARCH_STEPS):
-                if lo < hi:
-                    pivots = _pivots(lo, hi, PIVOTS)
-                    masses = _kept_at(row_ptr, vocab, top, temperature, pivots, True, SEARCH_BLOCK)
-                    lo, hi, _first = _narrow(lo, pivots, masses >= target, PIVOTS)
-            cut_bits = hi
+            need = top_p * tl.sum(total, axis=0)
+            cut_bits = _smallest_cut(row_ptr, vocab, top, temperature, cut_bits, need, True, PIVOTS, SEARCH_BLOCK)
     min_p = 0.0
     if MIN_P:
         min_p = tl.load(min_ps_ptr + row)
