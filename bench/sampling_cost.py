@@ -1,6 +1,7 @@
 """What sampling costs against greedy: output throughput of greedy, sampled (temperature 0.8, top-p 0.95, top-k 50)
 and penalised (the same plus frequency 0.5 and repetition 1.1) decoding, in one process on one device, with the op
-table's `sample` (the platform's kernel where it offers one) and with the torch reference, to choose between them.
+table's `sample`, the torch reference and (where the device compiles Triton) the portable Triton kernel, to choose
+between them.
 
     python bench/sampling_cost.py --preset llama-3-8b --device cuda --batch-sizes 1 64 256 \
         --json bench/results/h200_sampling_cost.json
@@ -16,6 +17,7 @@ import torch
 
 from omnirun.bench import run_bench
 from omnirun.engine import LLM
+from omnirun.kernels import offers_triton
 from omnirun.sampling import SamplingBatch, SamplingParams, reference
 
 SETTINGS = {
@@ -63,6 +65,11 @@ def main() -> None:
     print(f"warm-up {llm.warmup_s} s", flush=True)
     sampler = llm.runner.sampler
     ops = {"op_table": sampler.sample, "reference": reference.sample}
+    if offers_triton(llm.runner.capabilities):
+        from omnirun.kernels.triton.sample import sample as triton_sample
+
+        if sampler.sample is not triton_sample:  # the portable kernel, measured whether the table offers it or not
+            ops["triton"] = triton_sample
     results: dict[str, dict[str, float]] = {}
     try:
         for bs in args.batch_sizes:
@@ -89,8 +96,9 @@ def main() -> None:
                     )
                 sampler.sample = ops["op_table"]
             alone = dict(ops)
-            if getattr(ops["op_table"], "__module__", "") == "omnirun.kernels.triton.sample":
-                alone["triton_bisection"] = functools.partial(ops["op_table"], pivots=2)  # against 16 pivots a pass
+            triton_op = next((op for op in ops.values() if op.__module__ == "omnirun.kernels.triton.sample"), None)
+            if triton_op is not None:
+                alone["triton_bisection"] = functools.partial(triton_op, pivots=2)  # against 16 pivots a pass
             for op_name, op in alone.items():
                 row[f"op_{op_name}_ms"] = op_ms(llm, op, bs, SETTINGS["sampled"])
                 print(f"bs={bs:4d} sample op alone ({op_name}): {row[f'op_{op_name}_ms']:.3f} ms", flush=True)
