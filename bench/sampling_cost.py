@@ -14,6 +14,7 @@ import functools
 import json
 
 import torch
+from sample_op import op_ms  # noqa: E402 - beside this script
 
 from omnirun.bench import run_bench
 from omnirun.engine import LLM
@@ -27,21 +28,13 @@ SETTINGS = {
 }
 
 
-def op_ms(llm: LLM, op, batch_size: int, fields: dict, repeats: int = 20) -> float:
-    """The sample op alone on random logits of the model's vocabulary: milliseconds per call (device events)."""
+def _op_alone_ms(llm: LLM, op, batch_size: int) -> float:
+    """The sample op alone on random logits of the model's vocabulary (bench/sample_op.py times it)."""
     runner = llm.runner
     vocab = runner.shape.vocab_size
     logits = torch.randn(batch_size, vocab, device=runner.device).to(runner.dtype)
-    params = [SamplingParams(**fields)] * batch_size
-    batch = SamplingBatch.build(params, [0] * batch_size, runner.device, vocab_size=vocab)
-    op(logits, batch)  # compile
-    start, end = runner.platform.event(enable_timing=True), runner.platform.event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        op(logits, batch)
-    end.record()
-    runner.platform.synchronize()
-    return start.elapsed_time(end) / repeats
+    params = [SamplingParams(**SETTINGS["sampled"])] * batch_size
+    return op_ms(runner.platform, op, logits, SamplingBatch.build(params, [0] * batch_size, runner.device, vocab))
 
 
 def main() -> None:
@@ -100,7 +93,7 @@ def main() -> None:
             if triton_op is not None:
                 alone["triton_bisection"] = functools.partial(triton_op, pivots=2)  # against 16 pivots a pass
             for op_name, op in alone.items():
-                row[f"op_{op_name}_ms"] = op_ms(llm, op, bs, SETTINGS["sampled"])
+                row[f"op_{op_name}_ms"] = _op_alone_ms(llm, op, bs)
                 print(f"bs={bs:4d} sample op alone ({op_name}): {row[f'op_{op_name}_ms']:.3f} ms", flush=True)
             results[f"bs{bs}"] = row
     finally:
