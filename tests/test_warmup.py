@@ -7,9 +7,11 @@ import contextlib
 
 import torch
 
+from omnirun.batch import ForwardMode
 from omnirun.cli_flags import add_runner_flags, llm_kwargs
 from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.engine import LLM
+from omnirun.runner import ModelRunner
 from omnirun.sampling import reference
 from omnirun.server.summary import engine_description, summary_line
 
@@ -34,13 +36,21 @@ def test_no_warm_up_by_default_where_nothing_compiles_on_first_use():
         assert llm.warmup_s is None  # the CPU's capabilities offer no Triton kernels
 
 
-def test_the_warm_up_meets_every_sampling_kernel_and_a_whole_prefill_chunk_and_leaves_no_trace():
+def test_the_warm_up_meets_every_sampling_kernel_and_a_whole_prefill_chunk_and_leaves_no_trace(monkeypatch):
     platform = RecordingSampleCpu()
+    steps = []  # (mode, tokens) of every forward pass
+    forward = ModelRunner.forward
+    monkeypatch.setattr(
+        ModelRunner, "forward", lambda self, b: steps.append((b.mode, b.num_tokens)) or forward(self, b)
+    )
     with contextlib.closing(LLM(device=platform, warmup=True, chunked_prefill_size=96)) as llm:
         assert llm.warmup_s is not None and llm.warmup_s > 0
         assert set(platform.sampled) == {(k, p, m) for k in (False, True) for p in (False, True) for m in (False, True)}
-        assert llm.engine.prefill_stats().computed_tokens >= 96 + 16 + 16 + 5  # a whole chunk, then the short ones
+        # a whole chunk, then the short prompts in one batch, then their decode steps in one batch of 3
+        assert (ForwardMode.EXTEND, 96) in steps and (ForwardMode.EXTEND, 16 + 16 + 5) in steps
+        assert (ForwardMode.DECODE, 3) in steps
         assert llm.engine.prefix_cache.pages() == [] and len(llm.engine.decode_steps) == 0
+        assert llm.engine.prefill_stats().computed_tokens == 0
         assert llm.engine.requests == {}
         line = summary_line("m", "m", engine_description(llm), "http://x")
         assert f"warmup_s={llm.warmup_s:.1f}" in line

@@ -7,8 +7,8 @@ combination of its filters. Decode at each captured batch size compiled when the
 keeps what it compiled in its cache (~/.triton/cache, or $TRITON_CACHE_DIR): a deployment that keeps that folder
 between restarts (a mounted volume) warms up in seconds.
 
-The warm-up leaves no trace a user could see: its prompts leave the prefix cache, and the decode-step log that
-`omnirun bench` reads starts empty.
+The warm-up leaves no trace a user could see: its prompts leave the prefix cache, the prefill counters (/metrics)
+start at zero, and the decode-step log that `omnirun bench` reads starts empty.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def warm_up(llm: LLM) -> float:
     if engine.prefix_cache is not None:
         engine.prefix_cache.flush()
     engine.decode_steps.clear()
+    engine.scheduler.num_prefill_tokens = engine.scheduler.num_cached_tokens = 0  # /metrics counts from here
     runner.platform.synchronize()
     seconds = time.perf_counter() - start
     logger.info("warmed up in %.1f s", seconds)
