@@ -4,8 +4,8 @@ which picks token i with probability probs[i] / sum(probs), needs no renormalisa
 waits for the host. Platforms offer faster kernels of the same op (the Triton one needs no sort).
 
 Ties at a cut are kept whole: top-k keeps every token equal to the k-th (as HF does), and top-p keeps every token
-equal to the last one its nucleus needs (as FlashInfer's pivot sampling does), so a row's filter depends on its
-logits alone, not on the order of equal values.
+equal to the last one its nucleus needs (a cut on the value, which a sort-free kernel finds), so a row's filter
+depends on its logits alone, not on the order of equal values (HF and vLLM cut a tie at the sort's order).
 """
 
 from __future__ import annotations
