@@ -1,7 +1,7 @@
 """The torch reference of the `sample` op: one token per row of [B, V] logits by temperature, top-k, top-p and
 min-p, drawn with the exponential race (`argmax(probs / q)`, q ~ Exponential(1) from omnirun.sampling.counter_rng),
 which picks token i with probability probs[i] / sum(probs), needs no renormalisation after filtering and never
-waits for the host. Platforms offer faster kernels of the same op (the Triton one needs no sort).
+waits for the host. A platform may offer a faster kernel of the same op (omnirun.kernels.triton.sample needs no sort).
 
 Ties at a cut are kept whole: top-k keeps every token equal to the k-th (as HF does), and top-p keeps every token
 equal to the last one its nucleus needs (a cut on the value, which a sort-free kernel finds), so a row's filter
