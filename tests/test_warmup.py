@@ -56,6 +56,11 @@ def test_the_warm_up_meets_every_sampling_kernel_and_a_whole_prefill_chunk_and_l
         assert f"warmup_s={llm.warmup_s:.1f}" in line
 
 
+def test_a_context_shorter_than_the_warm_up_prompts_still_warms_up():
+    with contextlib.closing(LLM(device="cpu", warmup=True, context_length=12, max_total_tokens=512)) as llm:
+        assert llm.warmup_s is not None
+
+
 def test_skip_warmup_is_a_flag_of_every_command():
     import argparse
 

@@ -45,10 +45,11 @@ def warm_up(llm: LLM) -> float:
         return [rng.randrange(vocab) for _ in range(length)]
 
     greedy = SamplingParams(temperature=0, max_new_tokens=_NEW_TOKENS, ignore_eos=True)
+    longest = max(runner.context_length - _NEW_TOKENS, 1)  # a prompt and its new tokens fit in the context
     # The largest prefill the scheduler makes: one whole chunk (within the context and half the KV pool).
-    chunk = min(engine.scheduler.chunked_prefill_size, runner.context_length - _NEW_TOKENS, runner.kv.total_tokens // 2)
+    chunk = min(engine.scheduler.chunked_prefill_size, longest, runner.kv.total_tokens // 2)
     llm.generate([prompt(max(chunk, 1))], greedy, use_tqdm=False)
-    llm.generate([prompt(n) for n in _SHORT_PROMPTS], greedy, use_tqdm=False)
+    llm.generate([prompt(min(n, longest)) for n in _SHORT_PROMPTS], greedy, use_tqdm=False)
     _warm_sampler(llm, vocab)
     if engine.prefix_cache is not None:
         engine.prefix_cache.flush()
