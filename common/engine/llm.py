@@ -105,7 +105,9 @@ class LLM:
         # before the device memory goes).
         self._close = weakref.finalize(self, _close, self._loop, self.engine)
         self.warmup_s: float | None = None
-        if warmup if warmup is not None else offers_triton(self.runner.capabilities):
+        if warmup is None:  # by default where kernels compile on first use
+            warmup = offers_triton(self.runner.capabilities)
+        if warmup:
             try:
                 self.warmup_s = warm_up(self)
             except BaseException:
