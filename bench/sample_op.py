@@ -1,6 +1,7 @@
-"""The `sample` op alone, no model: the torch reference against the Triton kernel (16 cuts a search pass, and 2, a
-bisection) on random logits of a vocabulary, per batch size and filter setting, with the share of seeded rows on
-which the kernel draws the reference's token (the contract: all of them).
+"""The `sample` op alone, no model: the torch reference against the Triton kernel (top-k rows cut a short list from
+torch.topk; `search`: every row searches its whole vocabulary, 16 cuts a pass; `bisection`: 2 cuts a pass) on
+random logits of a vocabulary, per batch size and filter setting, with the share of seeded rows on which the
+kernel draws the reference's token (the contract: all of them).
 
     python bench/sample_op.py --device cuda --vocab 128256 --batch-sizes 1 64 256 \
         --json bench/results/h200_sample_op.json
@@ -52,7 +53,8 @@ def main() -> None:
     ops = {
         "reference": reference.sample,
         "triton": triton_sample,
-        "triton_bisection": functools.partial(triton_sample, pivots=2),
+        "triton_search": functools.partial(triton_sample, shortlist=False),
+        "triton_bisection": functools.partial(triton_sample, pivots=2, shortlist=False),
     }
     results: dict[str, dict[str, float]] = {}
     for bs in args.batch_sizes:

@@ -202,6 +202,8 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
         weight = rand(96, 64, scale=0.125)
         prepare = fused.get("prepare_linear", native_ops.prepare_linear)
         return rand(5, 64), weight, rand(96), prepare(weight)
+    if name == "batch_invariant_linear":  # deterministic mode's linear: plain weights, nothing prepared
+        return rand(5, 64), rand(96, 64, scale=0.125), rand(96), None
     if name == "rms_norm":
         return rand(5, 64), rand(64), 1e-6
     if name == "add_rms_norm":

@@ -41,6 +41,7 @@ class SamplingBatch:
     any_top_p: bool
     any_top_k: bool
     any_min_p: bool
+    max_top_k: int  # the largest top-k of a sampled row (0: none has top-k on); a kernel sizes its short list by it
     max_logprobs: int  # largest top-n requested (0: chosen token only), -1 when nobody wants logprobs
     adjustments: LogitAdjustments | None = None  # penalties, logit bias, min_tokens (None: no request uses any)
 
@@ -94,6 +95,7 @@ class SamplingBatch:
             any_top_p=any(p.top_p < 1 for p in sampled),
             any_top_k=any(p.top_k > 0 for p in sampled),
             any_min_p=any(p.min_p > 0 for p in sampled),
+            max_top_k=max((p.top_k for p in sampled if p.top_k > 0), default=0),
             max_logprobs=max_logprobs,
             adjustments=adjustments,
         )

@@ -24,6 +24,7 @@ from omnirun.kernels.triton.ops import (  # noqa: E402
     silu_and_mul,
     triton_fused_ops,
 )
+from omnirun.kernels.triton.sample import sample as triton_sample  # noqa: E402
 from omnirun.layers import native_ops  # noqa: E402
 from omnirun.layers.ops import deterministic_ops, resolve_ops  # noqa: E402
 from omnirun.layers.rotary import cos_sin_table  # noqa: E402
@@ -180,10 +181,17 @@ def test_rotary_embedding_keeps_its_in_place_contract_on_the_reference_path():
 
 def test_the_op_table_takes_every_kernel():
     ops = triton_fused_ops()
-    assert set(ops) == {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "batch_invariant_linear"}
+    assert set(ops) == {
+        "rms_norm",
+        "add_rms_norm",
+        "silu_and_mul",
+        "rotary_embedding",
+        "batch_invariant_linear",
+        "sample",
+    }
     table = resolve_ops(ops)
     assert table.rms_norm is rms_norm and table.rotary_embedding is rotary_embedding
-    assert table.sample is sampling_reference.sample  # the sampling kernel is not offered until a GPU measured it
+    assert table.sample is triton_sample is not sampling_reference.sample
     assert table.linear is native_ops.linear  # what the kernels do not cover stays the reference
     # The batch-invariant matmul serves deterministic mode's linear layers only.
     assert deterministic_ops(table).linear is ops["batch_invariant_linear"] is not native_ops.batch_invariant_linear

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the sampling kernel needs it")
 
-from omnirun.kernels.triton.sample import sample  # noqa: E402
+from omnirun.kernels.triton.sample import TIE_ROOM, sample  # noqa: E402
 from omnirun.sampling import SamplingBatch, SamplingParams, reference  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -36,11 +36,13 @@ def _random_params(rows: int, seed: int) -> list[SamplingParams]:
     ]
 
 
+@pytest.mark.parametrize("shortlist", [True, False], ids=["shortlist", "search"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ties", [False, True])
-def test_the_kernel_draws_the_references_token_for_every_key(dtype, ties):
+def test_the_kernel_draws_the_references_token_for_every_key(dtype, ties, shortlist):
     """Seeded rows with every filter mixed: the same cuts (whole ties kept) and the same random numbers, so the
-    same token. Logits rounded to halves make ties at the k-th value and at the nucleus's end common."""
+    same token, whether top-k rows cut a short list of their largest logits or search the whole row. Logits
+    rounded to halves make ties at the k-th value and at the nucleus's end common."""
     rows, vocab = (512, 3000) if _compiled() else (48, 40)
     gen = torch.Generator().manual_seed(vocab + ties)
     logits = torch.randn(rows, vocab, generator=gen) * 2
@@ -49,9 +51,33 @@ def test_the_kernel_draws_the_references_token_for_every_key(dtype, ties):
     logits = logits.to(dtype).to(DEVICE)
     batch = SamplingBatch.build(_random_params(rows, vocab), list(range(rows)), DEVICE, vocab_size=vocab)
     expected = reference.sample(logits, batch)
-    got = sample(logits, batch)
+    got = sample(logits, batch, shortlist=shortlist)
     assert got.dtype == torch.int64 and got.shape == (rows,)
     assert torch.equal(got.cpu(), expected.cpu())
+
+
+def test_a_tie_longer_than_the_short_list_searches_the_whole_row():
+    """Row 0's k-th value is shared by more tokens than the short list has room for past k: the list cannot tell
+    where that tie ends, so the row must search (a cut inside the list would drop part of the tie). Row 1 fits."""
+    vocab, k = 300, 3
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, vocab, generator=gen) - 5
+    logits[:, : k - 1] = 4.0
+    logits[0, 100 : 100 + 2 * TIE_ROOM] = 1.0  # the k-th value, shared by 2 * TIE_ROOM tokens
+    logits[1, 100] = 1.0
+    params = [SamplingParams(temperature=3.0, top_k=k, seed=row) for row in range(2)]
+    batch = SamplingBatch.build(params, [0, 0], DEVICE, vocab_size=vocab)
+    logits = logits.to(DEVICE)
+    kept = reference.filtered_probs(logits, batch) > 0
+    assert kept.sum(dim=-1).tolist() == [k - 1 + 2 * TIE_ROOM, k]
+    assert torch.equal(sample(logits, batch).cpu(), reference.sample(logits, batch).cpu())
+    # Many unseeded draws of row 0: the tie's tokens past the list's room are drawn too.
+    torch.manual_seed(0)
+    copies = 128
+    unseeded = SamplingBatch.build([SamplingParams(temperature=3.0, top_k=k)] * copies, [0] * copies, DEVICE, vocab)
+    draws = sample(logits[:1].expand(copies, -1).contiguous(), unseeded).cpu()
+    assert kept[0, draws].all()
+    assert len(set(draws.tolist()) - {0, 1}) > TIE_ROOM + 1, "drew only from the listed part of the tie"
 
 
 def _filtered_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -94,9 +120,9 @@ def test_draws_follow_the_filtered_distribution(params, implementation):
     """Many draws of one row (as a batch of copies with unseeded keys) against the exact filtered distribution:
     nothing outside it, and a chi-square far inside its bounds."""
     if implementation == "kernel" and not _compiled() and (params.top_k > 0 or params.top_p < 1):
-        # The interpreter runs each of 20,000 programs' bisection steps one by one (minutes per case); there the
-        # token-by-token test above holds the kernel to the reference, whose distributions this test checks.
-        pytest.skip("many draws through the bisections: compiled devices only (the interpreter takes minutes)")
+        # The interpreter runs each of 20,000 programs step by step (minutes per filtered case); there the
+        # token-by-token tests above hold the kernel to the reference, whose distributions this test checks.
+        pytest.skip("many draws through the filters: compiled devices only (the interpreter takes minutes)")
     draws = 20_000
     logits_row = torch.tensor([2.0, 1.5, 1.0, 1.0, 0.3, -0.5, -1.0, 0.8, 1.7, 1.5])
     expected = _filtered_distribution(logits_row, params)

@@ -416,7 +416,6 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
     if pdl:
         ops = {name: functools.partial(op, pdl=True) for name, op in ops.items()}
     from omnirun.kernels.triton.matmul import batch_invariant_linear  # deterministic mode's linear layers
+    from omnirun.kernels.triton.sample import sample  # sort-free sampling (bench/sample_op.py measures it)
 
-    # The sort-free sampling kernel (omnirun.kernels.triton.sample) joins the table once a GPU has measured it
-    # against the reference (bench/sample_op.py, bench/sampling_cost.py): until then the reference samples.
-    return {**ops, "batch_invariant_linear": batch_invariant_linear}
+    return {**ops, "batch_invariant_linear": batch_invariant_linear, "sample": sample}

@@ -44,6 +44,11 @@ SEARCH_PIVOTS = 16
 _SEARCH_STEPS = tl.constexpr(31)  # enough for 2 pivots; a search with more stops early (lo == hi)
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_NO_TOKEN = tl.constexpr(2**62)  # larger than any token id: the minimum over no tied token
+# The short list: each row's max_top_k + TIE_ROOM largest logits (room for a tie at the k-th value), at most
+# MAX_SHORTLIST (held in one program's registers); a longer top-k searches the whole row.
+TIE_ROOM = 16
+MAX_SHORTLIST = 1024
 
 
 @triton.jit
@@ -74,16 +79,17 @@ def _pivots(lo, hi, PIVOTS: tl.constexpr):
 def _kept_at(row_ptr, vocab, top, temperature, pivots, MASS: tl.constexpr, BLOCK: tl.constexpr):
     """For each cut of `pivots` (float bits): how many tokens have d <= cut, or (MASS) the sum of their exp(-d)."""
     cuts = pivots.to(tl.float32, bitcast=True)[:, None]
-    total = tl.zeros(pivots.shape, tl.float32 if MASS else tl.int32)
+    # Summed across the block once per pass, not once per block: a reduction across warps costs a barrier.
+    total = tl.zeros((pivots.shape[0], BLOCK), tl.float32 if MASS else tl.int32)
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         d = _scaled(row_ptr, offs, vocab, top, temperature)
         kept = (d[None, :] <= cuts) & (offs < vocab)[None, :]
         if MASS:
-            total += tl.sum(tl.where(kept, tl.exp(-d)[None, :], 0.0), axis=1)
+            total += tl.where(kept, tl.exp(-d)[None, :], 0.0)
         else:
-            total += tl.sum(kept.to(tl.int32), axis=1)
-    return total
+            total += kept.to(tl.int32)
+    return tl.sum(total, axis=1)
 
 
 @triton.jit
@@ -116,7 +122,110 @@ def _smallest_cut(
     return hi
 
 
-@triton.jit(do_not_specialize=["vocab", "stride"])
+@triton.jit
+def _race(key, ids, weight, keep):
+    """The exponential race among the kept tokens `ids` with weights exp(-d): the largest weight / q wins, q ~
+    Exponential(1) hashed from the row's key and the token id (counter_rng.exponentials). Returns the best score
+    and, of the tokens that reach it, the smallest id (argmax's first index)."""
+    bits = (_mix(key + (ids.to(tl.int64) + 1) * _GOLDEN) >> _UNIFORM_SHIFT) & _UNIFORM_MASK
+    q = tl.maximum(-tl.log((bits + 1).to(tl.float32) * _UNIFORM_SCALE), _Q_MIN)
+    score = tl.where(keep, weight / q, -1.0)
+    best = tl.max(score, axis=0)
+    return best, tl.min(tl.where(score == best, ids.to(tl.int64), _NO_TOKEN), axis=0)
+
+
+@triton.jit
+def _sample_candidates(
+    vals_ptr,
+    ids_ptr,
+    count,
+    temperature,
+    k,
+    top_p,
+    min_p,
+    key,
+    TOP_P: tl.constexpr,
+    MIN_P: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+):
+    """A row's draw from its `count` largest logits (sorted, descending), which hold the whole top-k and its tie:
+    top-k, top-p and min-p cut this short list in registers, and no pass over the vocabulary is needed."""
+    index = tl.arange(0, CANDIDATES)
+    vals = tl.load(vals_ptr + index, mask=index < count, other=float("-inf")).to(tl.float32)
+    top = tl.max(vals, axis=0)
+    d = -((vals - top) / temperature)
+    d_kth = tl.sum(tl.where(index == k - 1, d, 0.0), axis=0)
+    keep = d <= d_kth
+    weight = tl.exp(-d)
+    if TOP_P:
+        if top_p < 1.0:
+            # The nucleus in sorted order: the first token where the running mass reaches top_p of top-k's, then
+            # every token tied with it.
+            # Top-k's tokens lead the list; rounding that never lets the running mass reach the goal keeps them all.
+            kept_weight = tl.where(keep, weight, 0.0)
+            running = tl.cumsum(kept_weight, axis=0)
+            needed = tl.sum((running < top_p * tl.sum(kept_weight, axis=0)).to(tl.int32), axis=0)
+            needed = tl.minimum(needed, tl.sum(keep.to(tl.int32), axis=0) - 1)
+            keep = keep & (d <= tl.sum(tl.where(index == needed, d, 0.0), axis=0))
+    if MIN_P:
+        keep = keep & (weight >= min_p)
+    ids = tl.load(ids_ptr + index, mask=index < count, other=0)
+    _, token = _race(key, ids, weight, keep)
+    return token
+
+
+@triton.jit
+def _sample_row(
+    row_ptr,
+    vocab,
+    temperature,
+    k,
+    top_p,
+    min_p,
+    key,
+    TOP_K: tl.constexpr,
+    TOP_P: tl.constexpr,
+    MIN_P: tl.constexpr,
+    PIVOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+):
+    """A row's draw from its whole vocabulary: the cuts found by search, then the race, a pass each."""
+    top = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+        top = tl.maximum(top, tl.max(x, axis=0))
+
+    cut_bits = tl.full((), _INF_BITS, tl.int32)  # keep d <= the float with these bits
+    if TOP_K:
+        if k < vocab:
+            cut_bits = _smallest_cut(row_ptr, vocab, top, temperature, cut_bits, k, False, PIVOTS, SEARCH_BLOCK)
+    if TOP_P:
+        if top_p < 1.0:
+            # Within top-k's cut: the smallest cut whose kept mass reaches top_p of top-k's.
+            total = _kept_at(row_ptr, vocab, top, temperature, tl.full((1,), 0, tl.int32) + cut_bits, True, BLOCK)
+            need = top_p * tl.sum(total, axis=0)
+            cut_bits = _smallest_cut(row_ptr, vocab, top, temperature, cut_bits, need, True, PIVOTS, SEARCH_BLOCK)
+
+    cut = cut_bits.to(tl.float32, bitcast=True)
+    best = tl.full((), -1.0, tl.float32)
+    best_id = tl.full((), 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        d = _scaled(row_ptr, offs, vocab, top, temperature)
+        weight = tl.exp(-d)
+        keep = (d <= cut) & (offs < vocab)
+        if MIN_P:
+            keep = keep & (weight >= min_p)
+        block_best, block_id = _race(key, offs, weight, keep)
+        if block_best > best:  # strictly: the first token of equal scores wins, as argmax picks
+            best = block_best
+            best_id = block_id
+    return best_id
+
+
+@triton.jit(do_not_specialize=["vocab", "stride", "count"])
 def _sample_kernel(
     logits_ptr,
     stride,
@@ -126,67 +235,91 @@ def _sample_kernel(
     top_ps_ptr,
     min_ps_ptr,
     keys_ptr,
+    vals_ptr,
+    ids_ptr,
+    count,
     out_ptr,
     TOP_K: tl.constexpr,
     TOP_P: tl.constexpr,
     MIN_P: tl.constexpr,
+    CANDIDATES: tl.constexpr,
     PIVOTS: tl.constexpr,
     BLOCK: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride
     temperature = tl.load(temperatures_ptr + row)
-    top = tl.full((), float("-inf"), tl.float32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        top = tl.maximum(top, tl.max(x, axis=0))
-
-    cut_bits = tl.full((), _INF_BITS, tl.int32)  # keep d <= the float with these bits
+    key = tl.load(keys_ptr + row)
+    k = tl.full((), 0, tl.int64)
     if TOP_K:
         k = tl.load(top_ks_ptr + row)
-        if k < vocab:
-            cut_bits = _smallest_cut(row_ptr, vocab, top, temperature, cut_bits, k, False, PIVOTS, SEARCH_BLOCK)
+    top_p = 1.0
     if TOP_P:
         top_p = tl.load(top_ps_ptr + row)
-        if top_p < 1.0:
-            # Within top-k's cut: the smallest cut whose kept mass reaches top_p of top-k's.
-            total = _kept_at(row_ptr, vocab, top, temperature, tl.full((1,), 0, tl.int32) + cut_bits, True, BLOCK)
-            need = top_p * tl.sum(total, axis=0)
-            cut_bits = _smallest_cut(row_ptr, vocab, top, temperature, cut_bits, need, True, PIVOTS, SEARCH_BLOCK)
     min_p = 0.0
     if MIN_P:
         min_p = tl.load(min_ps_ptr + row)
 
-    cut = cut_bits.to(tl.float32, bitcast=True)
-    key = tl.load(keys_ptr + row)
-    best = tl.full((), -1.0, tl.float32)
-    best_id = tl.full((), 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        d = _scaled(row_ptr, offs, vocab, top, temperature)
-        weight = tl.exp(-d)
-        keep = (d <= cut) & (offs < vocab) & (weight >= min_p)
-        bits = (_mix(key + (offs.to(tl.int64) + 1) * _GOLDEN) >> _UNIFORM_SHIFT) & _UNIFORM_MASK
-        q = tl.maximum(-tl.log((bits + 1).to(tl.float32) * _UNIFORM_SCALE), _Q_MIN)
-        score = tl.where(keep, weight / q, -1.0)
-        block_best = tl.max(score, axis=0)
-        if block_best > best:  # strictly: the first token of equal scores wins, as argmax picks
-            best = block_best
-            best_id = start + tl.argmax(score, axis=0).to(tl.int64)
-    tl.store(out_ptr + row, best_id)
+    # The short list serves a row whose top-k, with every token tied with its k-th, lies inside it: all of the
+    # vocabulary is listed, or the k-th is listed and the last listed is strictly smaller.
+    shortlisted = False
+    if CANDIDATES > 0:
+        index = tl.arange(0, CANDIDATES)
+        listed = tl.load(vals_ptr + row * count + index, mask=index < count, other=float("-inf")).to(tl.float32)
+        kth = tl.sum(tl.where(index == k - 1, listed, 0.0), axis=0)
+        last = tl.sum(tl.where(index == count - 1, listed, 0.0), axis=0)
+        shortlisted = (k >= 1) & ((count == vocab) | ((k < count) & (last < kth)))
+    if shortlisted:
+        token = _sample_candidates(
+            vals_ptr + row * count,
+            ids_ptr + row * count,
+            count,
+            temperature,
+            tl.minimum(k, count),
+            top_p,
+            min_p,
+            key,
+            TOP_P,
+            MIN_P,
+            CANDIDATES,
+        )
+    else:
+        token = _sample_row(
+            logits_ptr + row * stride,
+            vocab,
+            temperature,
+            k,
+            top_p,
+            min_p,
+            key,
+            TOP_K,
+            TOP_P,
+            MIN_P,
+            PIVOTS,
+            BLOCK,
+            SEARCH_BLOCK,
+        )
+    tl.store(out_ptr + row, token)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, pivots: int = SEARCH_PIVOTS) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, pivots: int = SEARCH_PIVOTS, shortlist: bool = True
+) -> torch.Tensor:
     """The `sample` op (omnirun.sampling.reference.sample's contract): int64 [B]. Layouts and dtypes the kernel
-    does not take go to the reference. `pivots`: cuts tried per pass of a search (a power of two >= 2)."""
+    does not take go to the reference. `pivots`: cuts tried per pass of a search (a power of two >= 2);
+    `shortlist`: with top-k on, first take each row's largest logits with torch.topk (a multi-block select), so
+    that rows whose top-k fits skip the searches (False: every row searches its whole vocabulary)."""
     if logits.dim() != 2 or logits.stride(-1) != 1 or logits.dtype not in _KERNEL_DTYPES:
         return reference.sample(logits, batch)
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
+    vals = ids = out  # unread placeholders where there is no short list
+    count = 0
+    if shortlist and batch.any_top_k and batch.max_top_k + TIE_ROOM <= MAX_SHORTLIST:
+        count = min(vocab, batch.max_top_k + TIE_ROOM)
+        vals, ids = torch.topk(logits, count, dim=-1, sorted=True)
     block = min(4096, triton.next_power_of_2(vocab))
     _sample_kernel[(rows,)](
         logits,
@@ -197,10 +330,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, pivots: int = SEARCH_PIVO
         batch.top_ps,
         batch.min_ps,
         batch.keys,
+        vals,
+        ids,
+        count,
         out,
         TOP_K=batch.any_top_k,
         TOP_P=batch.any_top_p,
         MIN_P=batch.any_min_p,
+        CANDIDATES=triton.next_power_of_2(count) if count else 0,
         PIVOTS=pivots,
         BLOCK=block,
         SEARCH_BLOCK=max(4 * block // pivots, 64),
