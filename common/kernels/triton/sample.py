@@ -262,27 +262,41 @@ def _sample_kernel(
 
     # The short list serves a row whose top-k, with every token tied with its k-th, lies inside it: all of the
     # vocabulary is listed, or the k-th is listed and the last listed is strictly smaller.
-    shortlisted = False
     if CANDIDATES > 0:
         index = tl.arange(0, CANDIDATES)
         listed = tl.load(vals_ptr + row * count + index, mask=index < count, other=float("-inf")).to(tl.float32)
         kth = tl.sum(tl.where(index == k - 1, listed, 0.0), axis=0)
         last = tl.sum(tl.where(index == count - 1, listed, 0.0), axis=0)
-        shortlisted = (k >= 1) & ((count == vocab) | ((k < count) & (last < kth)))
-    if shortlisted:
-        token = _sample_candidates(
-            vals_ptr + row * count,
-            ids_ptr + row * count,
-            count,
-            temperature,
-            tl.minimum(k, count),
-            top_p,
-            min_p,
-            key,
-            TOP_P,
-            MIN_P,
-            CANDIDATES,
-        )
+        if (k >= 1) & ((count == vocab) | ((k < count) & (last < kth))):
+            token = _sample_candidates(
+                vals_ptr + row * count,
+                ids_ptr + row * count,
+                count,
+                temperature,
+                tl.minimum(k, count),
+                top_p,
+                min_p,
+                key,
+                TOP_P,
+                MIN_P,
+                CANDIDATES,
+            )
+        else:
+            token = _sample_row(
+                logits_ptr + row * stride,
+                vocab,
+                temperature,
+                k,
+                top_p,
+                min_p,
+                key,
+                TOP_K,
+                TOP_P,
+                MIN_P,
+                PIVOTS,
+                BLOCK,
+                SEARCH_BLOCK,
+            )
     else:
         token = _sample_row(
             logits_ptr + row * stride,

@@ -23,7 +23,9 @@ def tiny_bf16(tmp_path_factory):
 
 
 def _pool(platform, path, fraction, **flags):
-    runner = make_runner(platform, path, dtype="auto", max_total_tokens=None, mem_fraction_static=fraction, **flags)
+    # A --max-total-tokens far above memory: the pool is memory's alone (the default cap, running limit x context
+    # length, holds a tiny model's pools to one size with or without the reserve).
+    runner = make_runner(platform, path, dtype="auto", max_total_tokens=1 << 40, mem_fraction_static=fraction, **flags)
     tokens, reserve = runner.kv.total_tokens, runner.graph_runner.reserved_bytes() if runner.graph_runner else 0
     del runner
     gc.collect()
