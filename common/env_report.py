@@ -13,6 +13,7 @@ from omnirun.assembly import assemble, deterministic_linear
 from omnirun.config import RunnerConfig
 from omnirun.memory.sizing import DEFAULT_RUNNING_REQUESTS
 from omnirun.platform import Platform
+from omnirun.quantization.formats import loading_summary
 from omnirun.registry import PlatformRegistry
 
 _GIB = 1 << 30
@@ -37,6 +38,7 @@ class PlatformRow:
     deterministic: str | None = None
     # What a run with the default flags builds for a model in the device's best dtype (omnirun.assembly).
     default_run: str | None = None
+    quantized: str | None = None  # how quantized checkpoints load (omnirun.quantization)
 
 
 def platform_row(platform: Platform) -> PlatformRow:
@@ -71,6 +73,7 @@ def platform_row(platform: Platform) -> PlatformRow:
             + deterministic_linear(platform)
         )
         row.default_run = default_run(platform)
+        row.quantized = loading_summary()
     return row
 
 
@@ -153,6 +156,7 @@ def _fields(row: PlatformRow) -> list[tuple[str, str]]:
             ("graphs", row.graph_capture or "-"),
             ("determinism", row.deterministic or "-"),
             ("default run", row.default_run or "-"),
+            ("quantized", row.quantized or "-"),
         ]
     if row.distributed_backend:
         fields.append(("dist", row.distributed_backend))

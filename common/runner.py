@@ -59,6 +59,7 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.models.decoder import DecoderForCausalLM
 from omnirun.models.tp_layout import tp_layout
 from omnirun.platform import Platform
+from omnirun.quantization import dequantized, quantized_format
 from omnirun.registry import select_platform
 from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory
 from omnirun.weights import apply_update, load_weights, read_weight, refuse_unless_agreed, update_problem
@@ -115,6 +116,8 @@ class ModelRunner:
         self.shape = decoder_shape(self.model_config)
         self.context_length = context_length(self.model_config, config.context_length)
         self.dtype = resolve_model_dtype(config.dtype, self.model_config, self.capabilities)
+        # A quantized checkpoint's format (None: unquantized); one omnirun cannot load is refused here.
+        self.quantization = quantized_format(self.model_config) if config.load_format != "dummy" else None
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
         # Without the flag, the most the default allows until the pool is planned and sets it (`plan_kv_pool`).
         self.max_running_requests = config.max_running_requests or DEFAULT_RUNNING_REQUESTS[1]
@@ -194,7 +197,10 @@ class ModelRunner:
                 # Lazy: each rank reads only its own slice of every tensor from the files.
                 checkpoint = SafetensorsCheckpoint(self.config.model)
                 progress = self.config.progress and self.tp.is_first
-                load_weights(model, checkpoint.iter_tensors(progress=progress, lazy=True))
+                tensors = checkpoint.iter_tensors(progress=progress, lazy=True)
+                if self.quantization is not None:  # no quantized kernels yet: the model dtype's weights, once
+                    tensors = dequantized(tensors, self.quantization, self.dtype)
+                load_weights(model, tensors)
             model.prepare_weights()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info(
@@ -508,7 +514,15 @@ class ModelRunner:
             "attention": self.attention.name,
             "graph_runner": type(self.graph_runner).__name__ if self.graph_runner else "eager",
             "deterministic": self.config.deterministic,
+            "weights": self.weights_format(),
         }
+
+    def weights_format(self) -> str:
+        """How the checkpoint's weights are held: the model dtype, or a quantized format dequantized at load."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.quantization is None:
+            return dtype
+        return f"{self.quantization.describe()}, dequantized to {dtype} at load"
 
     # --- weights from a trainer (RLHF): a process group shared with it, the trainer's rank 0 broadcasting ---
     @_on_every_rank

@@ -310,7 +310,19 @@ FLOORS = {
     **dict.fromkeys(["facts", "errors", "host_event", "host_to_device", "assets"], 0),
     **dict.fromkeys(["platform", "registry"], 1),
     **dict.fromkeys(
-        ["attention", "kernels", "graphs", "memory", "layers", "models", "distributed", "sampling", "loader"], 2
+        [
+            "attention",
+            "kernels",
+            "graphs",
+            "memory",
+            "layers",
+            "models",
+            "distributed",
+            "sampling",
+            "loader",
+            "quantization",
+        ],
+        2,
     ),
     **dict.fromkeys(["weights", "batch", "config", "cli_flags", "bandwidth"], 2),
     **dict.fromkeys(["assembly", "runner", "launch", "testing"], 3),
