@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from omnirun.errors import ModelLoadError
+from omnirun.quantization import compressed_tensors
 from omnirun.quantization.fp8 import Fp8Format
 
 
@@ -28,7 +29,7 @@ class QuantizedFormat(Protocol):
 
 
 # quant_method -> the parser of its config; each raises ModelLoadError naming what it supports.
-_FORMATS = {"fp8": Fp8Format.from_config}
+_FORMATS = {"fp8": Fp8Format.from_config, "compressed-tensors": compressed_tensors.from_config}
 
 
 def loading_summary() -> str:

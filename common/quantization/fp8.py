@@ -1,8 +1,10 @@
-"""`quant_method: "fp8"` checkpoints: float8_e4m3fn weights with float32 scales, block-wise (DeepSeek-V3, Qwen3-FP8
-and transformers' FineGrainedFP8Config: `weight_block_size` [128, 128] and `<layer>.weight_scale_inv` of shape
-[ceil(N / 128), ceil(K / 128)]) or per-tensor (AutoFP8 and vLLM's Fp8Config: a scalar `<layer>.weight_scale`, and
-`<layer>.input_scale` with static activations). Either way weight = fp8 value x its block's (or the tensor's) scale,
-as vLLM's Fp8LinearMethod reads these names (vllm/model_executor/layers/quantization/fp8.py)."""
+"""fp8 weights (float8_e4m3fn) with float32 scales, dequantized as weight = fp8 value x its scale:
+- `quant_method: "fp8"` (fp8.py of vLLM reads the same names): block-wise, as DeepSeek-V3, Qwen3-FP8 and
+  transformers' FineGrainedFP8Config save them (`weight_block_size` [128, 128], `<layer>.weight_scale_inv` of
+  shape [ceil(N / 128), ceil(K / 128)], the last blocks partial), or per-tensor (AutoFP8: a scalar
+  `<layer>.weight_scale`, and `<layer>.input_scale` with static activations);
+- compressed-tensors' float-quantized weights (omnirun.quantization.compressed_tensors): `<layer>.weight_scale`
+  per tensor, per output channel ([N, 1]) or per block."""
 
 from __future__ import annotations
 
@@ -13,16 +15,21 @@ import torch
 
 from omnirun.errors import ModelLoadError
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
+STRATEGIES = ("tensor", "channel", "block")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Format:
-    block: tuple[int, int] | None  # (rows, columns) of a weight block; None: one scale per tensor
-    static_activations: bool  # checkpoints with `activation_scheme: static` carry an input_scale per layer
+    strategy: str  # one of STRATEGIES: what one scale covers
+    block: tuple[int, int] | None  # (rows, columns) of a block, for strategy "block"
+    scale_suffix: str  # the scale tensor beside `<layer>.weight`: "weight_scale_inv" or "weight_scale"
+    static_activations: bool  # an `input_scale` per layer, read and dropped (activations stay unquantized)
+    kv_scales: bool = False  # `k_scale`/`v_scale` per attention layer, read and dropped (no fp8 KV cache yet)
+    source: str = "fp8"  # the quant_method, for messages
 
     @classmethod
     def from_config(cls, quantization: dict[str, Any]) -> Fp8Format:
+        """A `quant_method: "fp8"` config."""
         fmt = quantization.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ModelLoadError(f"fp8 checkpoints in fmt {fmt!r} are not supported: omnirun loads fmt e4m3")
@@ -30,43 +37,56 @@ class Fp8Format:
         if scheme not in ("dynamic", "static"):
             raise ModelLoadError(f"fp8 activation_scheme {scheme!r} is unknown: expected dynamic or static")
         block = quantization.get("weight_block_size")
-        if block is not None:
-            if not (
-                isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
-            ):
-                raise ModelLoadError(f"fp8 weight_block_size {block!r} is invalid: expected two positive integers")
-            block = (block[0], block[1])
-        return cls(block=block, static_activations=scheme == "static")
+        if block is None:
+            return cls("tensor", None, "weight_scale", static_activations=scheme == "static")
+        return cls("block", block_shape(block), "weight_scale_inv", static_activations=scheme == "static")
 
     def describe(self) -> str:
-        return f"fp8 block {list(self.block)}" if self.block else "fp8 per-tensor"
+        what = f"block {list(self.block)}" if self.strategy == "block" else f"per-{self.strategy}"
+        return f"{self.source} fp8 {what}" if self.source != "fp8" else f"fp8 {what}"
 
     def scale_names(self, weight_name: str) -> tuple[str, ...]:
-        return (f"{weight_name}_scale_inv",) if self.block else (f"{weight_name}_scale",)
+        return (f"{weight_name.removesuffix('weight')}{self.scale_suffix}",)
 
     def extra_names(self, weight_name: str) -> tuple[str, ...]:
         layer = weight_name.removesuffix(".weight")
-        return (f"{layer}.input_scale",) if self.static_activations else ()
+        return (
+            *((f"{layer}.input_scale",) if self.static_activations else ()),
+            *((f"{layer}.k_scale", f"{layer}.v_scale") if self.kv_scales else ()),
+        )
 
     def dequantize(self, weight: torch.Tensor, scales: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """weight [N, K] in fp8 x its scales -> [N, K] in `dtype` (the product taken in float32)."""
         (scale,) = scales
-        if weight.dtype not in FP8_DTYPES or weight.dim() != 2:
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
             raise ModelLoadError(
                 f"an fp8 weight must be a 2-D float8_e4m3fn tensor, got {list(weight.shape)} {weight.dtype}"
             )
+        rows, cols = weight.shape
         scale = scale.float()
-        if self.block is None:
+        if self.strategy == "tensor":
             if scale.numel() != 1:
                 raise ModelLoadError(f"a per-tensor fp8 weight_scale holds one value, got shape {list(scale.shape)}")
             return (weight.float() * scale.reshape(())).to(dtype)
-        rows, cols = weight.shape
+        if self.strategy == "channel":
+            if scale.numel() != rows:
+                raise ModelLoadError(
+                    f"a per-channel fp8 weight of {rows} rows needs {rows} scales, got shape {list(scale.shape)}"
+                )
+            return (weight.float() * scale.reshape(rows, 1)).to(dtype)
         block_rows, block_cols = self.block
         expected = (-(-rows // block_rows), -(-cols // block_cols))
         if tuple(scale.shape) != expected:
             raise ModelLoadError(
-                f"an fp8 weight of shape {[rows, cols]} in {list(self.block)} blocks needs weight_scale_inv of shape "
-                f"{list(expected)}, got {list(scale.shape)}: the checkpoint's weight_block_size does not match it"
+                f"an fp8 weight of shape {[rows, cols]} in {list(self.block)} blocks needs {self.scale_suffix} of "
+                f"shape {list(expected)}, got {list(scale.shape)}: the config's block size does not match it"
             )
         per_element = scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
         return (weight.float() * per_element).to(dtype)
+
+
+def block_shape(block: object, key: str = "weight_block_size") -> tuple[int, int]:
+    """A config's block size (its `key`), checked: two positive integers."""
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(f"fp8 {key} {block!r} is invalid: expected two positive integers")
+    return (block[0], block[1])
