@@ -33,8 +33,9 @@ from omnirun.weights import load_weights
 THIS = Path(__file__).resolve()
 PROMPTS = [[(5 * i + 11) % 256 for i in range(9)], [(7 * i + 3) % 256 for i in range(23)]]
 NEW_TOKENS = 6
-# llama with attention_bias and mlp_bias: o_proj and down_proj biases, which row-parallel layers add once
-MODELS = (*ARCHITECTURES, "llama_bias")
+# llama with attention_bias and mlp_bias: o_proj and down_proj biases, which row-parallel layers add once; llama
+# with fp8 block-wise weights, dequantized whole before each rank takes its part
+MODELS = (*ARCHITECTURES, "llama_bias", "llama_fp8")
 DUMMY = "dummy_vocab251"  # tied (qwen3) and a vocabulary that divides by neither 2 nor 4: padded on every TP size
 
 
@@ -90,6 +91,9 @@ def workdir(tmp_path_factory) -> Path:
     config = tiny_configs()["llama"]
     config.attention_bias = config.mlp_bias = True
     _save_random(config, path / "llama_bias")
+    from quantized_checkpoints import write_fp8_checkpoint  # tests/support: on pytest's path, not the ranks'
+
+    write_fp8_checkpoint(path / "llama_fp8", "llama", (24, 40))
     config = tiny_configs()["qwen3"]
     config.vocab_size = 251
     config.save_pretrained(path / DUMMY)  # dummy weights: the config alone
