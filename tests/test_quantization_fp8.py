@@ -62,9 +62,9 @@ class _Config:
     "quantization, stream, message",
     [
         (
-            {"quant_method": "awq"},
+            {"quant_method": "bitsandbytes"},
             [],
-            "quant_method 'awq', which omnirun cannot load yet (supported: fp8, compressed-tensors)",
+            "'bitsandbytes', which omnirun cannot load yet (supported: fp8, compressed-tensors, awq, gptq)",
         ),
         ({"quant_method": "fp8", "fmt": "e5m2"}, [], "fmt 'e5m2' are not supported"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, [], "weight_block_size [128] is invalid"),
@@ -122,8 +122,8 @@ def test_bad_checkpoints_are_refused_in_one_line(quantization, stream, message):
 def test_an_unknown_method_is_refused_before_any_weight_is_read(tmp_path):
     tiny_hf_model("llama").save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "hqq", "nbits": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").write_bytes(b"not read")
-    with pytest.raises(ModelLoadError, match="quant_method 'gptq', which omnirun cannot load yet"):
+    with pytest.raises(ModelLoadError, match="quant_method 'hqq', which omnirun cannot load yet"):
         make_runner(select_platform("cpu"), tmp_path)

@@ -10,26 +10,38 @@ import torch
 from omnirun.errors import ModelLoadError
 from omnirun.quantization import compressed_tensors
 from omnirun.quantization.fp8 import Fp8Format
+from omnirun.quantization.int4 import AwqFormat, GptqFormat
 
 
 class QuantizedFormat(Protocol):
-    """A checkpoint's quantized layout: which tensors carry a weight's scales, and the weight they make."""
+    """A checkpoint's quantized layout: which tensors make a layer's weight, and the weight they make."""
 
     def describe(self) -> str: ...
 
-    def scale_names(self, weight_name: str) -> tuple[str, ...]:
-        """The checkpoint tensors a quantized `weight_name` needs beside itself (all of them, in order)."""
+    def layer_of(self, name: str, dtype: torch.dtype) -> str | None:
+        """The layer whose quantized weight the tensor `name` (stored as `dtype`) is part of; None for any other."""
         ...
 
-    def extra_names(self, weight_name: str) -> tuple[str, ...]:
-        """Tensors of this format that are read and dropped (an activation scale, when weights are dequantized)."""
+    def part_names(self, layer: str) -> tuple[str, ...]:
+        """Every tensor of `layer`'s quantized weight, in the order `dequantize` takes them."""
         ...
 
-    def dequantize(self, weight: torch.Tensor, scales: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor: ...
+    def dropped(self, name: str) -> bool:
+        """A tensor of this format that is read and dropped (activation or KV-cache scales: nothing uses them yet)."""
+        ...
+
+    def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The layer's weight [out_features, in_features] in `dtype`, from its parts."""
+        ...
 
 
 # quant_method -> the parser of its config; each raises ModelLoadError naming what it supports.
-_FORMATS = {"fp8": Fp8Format.from_config, "compressed-tensors": compressed_tensors.from_config}
+_FORMATS = {
+    "fp8": Fp8Format.from_config,
+    "compressed-tensors": compressed_tensors.from_config,
+    "awq": AwqFormat.from_config,
+    "gptq": GptqFormat.from_config,
+}
 
 
 def loading_summary() -> str:

@@ -45,19 +45,24 @@ class Fp8Format:
         what = f"block {list(self.block)}" if self.strategy == "block" else f"per-{self.strategy}"
         return f"{self.source} fp8 {what}" if self.source != "fp8" else f"fp8 {what}"
 
-    def scale_names(self, weight_name: str) -> tuple[str, ...]:
-        return (f"{weight_name.removesuffix('weight')}{self.scale_suffix}",)
+    def layer_of(self, name: str, dtype: torch.dtype) -> str | None:
+        if name.endswith(".weight") and dtype.is_floating_point and dtype.itemsize == 1:
+            return name.removesuffix(".weight")
+        if name.endswith(f".{self.scale_suffix}"):
+            return name.removesuffix(f".{self.scale_suffix}")
+        return None
 
-    def extra_names(self, weight_name: str) -> tuple[str, ...]:
-        layer = weight_name.removesuffix(".weight")
-        return (
-            *((f"{layer}.input_scale",) if self.static_activations else ()),
-            *((f"{layer}.k_scale", f"{layer}.v_scale") if self.kv_scales else ()),
+    def part_names(self, layer: str) -> tuple[str, ...]:
+        return (f"{layer}.weight", f"{layer}.{self.scale_suffix}")
+
+    def dropped(self, name: str) -> bool:
+        return (self.static_activations and name.endswith(".input_scale")) or (
+            self.kv_scales and name.endswith((".k_scale", ".v_scale"))
         )
 
-    def dequantize(self, weight: torch.Tensor, scales: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """weight [N, K] in fp8 x its scales -> [N, K] in `dtype` (the product taken in float32)."""
-        (scale,) = scales
+        weight, scale = parts
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
             raise ModelLoadError(
                 f"an fp8 weight must be a 2-D float8_e4m3fn tensor, got {list(weight.shape)} {weight.dtype}"

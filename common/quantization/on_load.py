@@ -1,6 +1,6 @@
-"""Dequantizing at load: a checkpoint's stream of tensors with each quantized weight joined to its scales and turned
-into the model's dtype, so the model loads it as it loads any weight. Tensors a format reads and drops (activation
-scales, when activations are not quantized) are dropped here."""
+"""Dequantizing at load: a checkpoint's stream of tensors with each layer's quantized parts (an fp8 weight and its
+scales; AWQ's or GPTQ's packed integers, zero points and scales) joined into `<layer>.weight` in the model's dtype,
+so the model loads it as it loads any weight. Tensors a format reads and drops are dropped here."""
 
 from __future__ import annotations
 
@@ -16,26 +16,24 @@ from omnirun.quantization.formats import QuantizedFormat
 def dequantized(
     tensors: Iterable[tuple[str, Any]], fmt: QuantizedFormat, dtype: torch.dtype
 ) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) of `tensors` with every quantized weight (a one-byte float `.weight`) in `dtype`. A weight
-    and its scales wait for each other wherever in the stream they come; one left waiting at the end is an error."""
-    waiting: dict[str, torch.Tensor] = {}  # quantized weights and scales read whole, not joined yet
+    """(name, tensor) of `tensors` with every layer's quantized parts replaced by its weight in `dtype`. A layer's
+    parts wait for each other wherever in the stream they come; a part left waiting at the end is an error."""
+    waiting: dict[str, tuple[str, torch.Tensor]] = {}  # part name -> (its layer, the part read whole)
     for name, source in tensors:
-        layer_weight = f"{name.rsplit('.', 1)[0]}.weight"  # the weight a scale of this name would belong to
-        quantized_weight = name.endswith(".weight") and source.dtype.is_floating_point and source.dtype.itemsize == 1
-        if name in fmt.extra_names(layer_weight):
+        if fmt.dropped(name):
             continue
-        if not quantized_weight and name not in fmt.scale_names(layer_weight):
+        layer = fmt.layer_of(name, source.dtype)
+        if layer is None:
             yield name, source
             continue
         # Read whole now: a lazy tensor is valid only until the stream moves on.
-        waiting[name] = source if isinstance(source, torch.Tensor) else source.read()
-        weight = name if quantized_weight else layer_weight
-        scales = fmt.scale_names(weight)
-        if weight in waiting and all(scale in waiting for scale in scales):
-            yield weight, fmt.dequantize(waiting.pop(weight), [waiting.pop(scale) for scale in scales], dtype)
+        waiting[name] = (layer, source if isinstance(source, torch.Tensor) else source.read())
+        parts = fmt.part_names(layer)
+        if all(part in waiting for part in parts):
+            yield f"{layer}.weight", fmt.dequantize([waiting.pop(part)[1] for part in parts], dtype)
     if waiting:
         name = sorted(waiting)[0]
-        lacks = fmt.scale_names(name)[0] if name.endswith(".weight") else f"{name.rsplit('.', 1)[0]}.weight"
+        missing = [part for part in fmt.part_names(waiting[name][0]) if part not in waiting]
         raise ModelLoadError(
-            f"the {fmt.describe()} checkpoint has {name} but no {lacks}: re-download or re-save the checkpoint"
+            f"the {fmt.describe()} checkpoint has {name} but no {missing[0]}: re-download or re-save the checkpoint"
         )

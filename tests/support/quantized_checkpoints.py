@@ -109,3 +109,101 @@ def write_fp8_checkpoint(
     (path / "config.json").write_text(json.dumps(config))
     hf.load_state_dict(dequantized_weights, strict=False)
     return hf, dequantized_weights
+
+
+# --- int4: AWQ (AutoAWQ's WQLinear_GEMM.from_linear) and GPTQ (AutoGPTQ's QuantLinear.pack) ---------------------
+
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column 8c + AWQ_PACK_ORDER[i]
+
+
+def quantize_groups(weight: torch.Tensor, group_of_input: torch.Tensor, groups: int, bits: int = 4):
+    """Asymmetric integer quantization of weight [N, K] per (group of inputs, output): (q [K, N], zeros
+    [groups, N], scales [groups, N]) with weight[n, k] ~ (q[k, n] - zeros[g, n]) x scales[g, n], g the group of k."""
+    w = weight.float().t()  # [K, N]
+    top = (1 << bits) - 1
+    scales, zeros = torch.empty(groups, w.shape[1]), torch.empty(groups, w.shape[1], dtype=torch.int32)
+    q = torch.empty(w.shape, dtype=torch.int32)
+    for g in range(groups):
+        rows = group_of_input == g
+        low, high = w[rows].amin(0).clamp(max=0), w[rows].amax(0).clamp(min=0)
+        scales[g] = ((high - low) / top).clamp(min=1e-6).half().float()  # the checkpoint stores float16 scales
+        zeros[g] = torch.round(-low / scales[g]).clamp(0, top).int()
+        q[rows] = (torch.round(w[rows] / scales[g]) + zeros[g]).clamp(0, top).int()
+    return q, zeros, scales
+
+
+def _pack_columns(values: torch.Tensor, order: list[int], bits: int = 4) -> torch.Tensor:
+    """[R, C] ints -> int32 [R, C * bits / 32], field i of word c holding column c * per_word + order[i]."""
+    per_word = 32 // bits
+    packed = torch.zeros(values.shape[0], values.shape[1] // per_word, dtype=torch.int64)
+    for c in range(packed.shape[1]):
+        for i in range(per_word):
+            packed[:, c] |= values[:, c * per_word + order[i]].long() << (i * bits)
+    return _as_int32(packed)
+
+
+def _pack_rows(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """[R, C] ints -> int32 [R * bits / 32, C], field i of word r holding row r * per_word + i."""
+    per_word = 32 // bits
+    packed = torch.zeros(values.shape[0] // per_word, values.shape[1], dtype=torch.int64)
+    for r in range(packed.shape[0]):
+        for i in range(per_word):
+            packed[r] |= values[r * per_word + i].long() << (i * bits)
+    return _as_int32(packed)
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words as the int32 the checkpoints store (two's complement)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def write_int4_checkpoint(path: Path, arch: str, method: str, group_size: int, act_order: bool = False):
+    """A tiny random `arch` model saved as an AWQ ("awq") or GPTQ ("gptq", act order optional) checkpoint of its
+    decoder projections; returns the HF model with the weights the checkpoint stands for in their place."""
+    hf = tiny_hf_model(arch)
+    hf.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    stands_for = {}
+    gen = torch.Generator().manual_seed(11)
+    for name in list(tensors):
+        if not (".layers." in name and name.endswith("proj.weight")):
+            continue
+        weight = tensors.pop(name)
+        layer = name.removesuffix(".weight")
+        in_features = weight.shape[1]
+        groups = in_features // group_size
+        group_of_input = torch.arange(in_features) // group_size
+        if act_order:  # GPTQ's desc_act: groups follow a permutation of the inputs
+            group_of_input = group_of_input[torch.randperm(in_features, generator=gen)]
+        q, zeros, scales = quantize_groups(weight, group_of_input, groups)
+        stands_for[name] = ((q - zeros[group_of_input]).float() * scales[group_of_input]).t()
+        tensors[f"{layer}.scales"] = scales.half()
+        if method == "awq":
+            tensors[f"{layer}.qweight"] = _pack_columns(q, AWQ_PACK_ORDER)
+            tensors[f"{layer}.qzeros"] = _pack_columns(zeros, AWQ_PACK_ORDER)
+        else:
+            tensors[f"{layer}.qweight"] = _pack_rows(q)
+            tensors[f"{layer}.qzeros"] = _pack_columns(zeros - 1, list(range(8)))  # "gptq" stores zero - 1
+            tensors[f"{layer}.g_idx"] = group_of_input.int()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    if method == "awq":
+        config["quantization_config"] = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+        }
+    else:
+        config["quantization_config"] = {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "desc_act": act_order,
+            "sym": False,
+            "checkpoint_format": "gptq",
+        }
+    (path / "config.json").write_text(json.dumps(config))
+    hf.load_state_dict(stands_for, strict=False)
+    return hf, stands_for
