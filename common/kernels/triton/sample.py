@@ -1,5 +1,10 @@
-"""The `sample` op as one Triton kernel, without a sort: temperature, top-k, top-p and min-p cuts found by search,
-then the exponential race, one program per row.
+"""The `sample` op as one Triton kernel, without a full sort: temperature, top-k, top-p and min-p cuts, then the
+exponential race, one program per row.
+
+A row with top-k first looks at its short list: the batch's `max_top_k + TIE_ROOM` largest logits, sorted, from
+torch.topk (a multi-block select, fast at any batch). When the list holds the k-th value's whole tie (its last value
+is strictly smaller, or it holds the whole vocabulary), every cut and the race happen in registers on the list,
+with no pass over the vocabulary. Any other row searches its whole row, as follows.
 
 Each row's logits are scaled as the reference scales them, d = (max - x) / temperature >= 0 (0 for the most likely
 token, larger for less likely ones; the probability is exp(-d) / Z). A filter keeps the tokens with d at most a
@@ -160,8 +165,8 @@ def _sample_candidates(
     if TOP_P:
         if top_p < 1.0:
             # The nucleus in sorted order: the first token where the running mass reaches top_p of top-k's, then
-            # every token tied with it.
-            # Top-k's tokens lead the list; rounding that never lets the running mass reach the goal keeps them all.
+            # every token tied with it (top-k's tokens lead the list; if rounding never lets the running mass reach
+            # the goal, all of them stay).
             kept_weight = tl.where(keep, weight, 0.0)
             running = tl.cumsum(kept_weight, axis=0)
             needed = tl.sum((running < top_p * tl.sum(kept_weight, axis=0)).to(tl.int32), axis=0)
