@@ -59,7 +59,7 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.models.decoder import DecoderForCausalLM
 from omnirun.models.tp_layout import tp_layout
 from omnirun.platform import Platform
-from omnirun.quantization import dequantized, quantized_format
+from omnirun.quantization import dequantized, directory_format, quantized_format
 from omnirun.registry import select_platform
 from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory
 from omnirun.weights import apply_update, load_weights, read_weight, refuse_unless_agreed, update_problem
@@ -413,6 +413,12 @@ class ModelRunner:
         failure on any rank is raised on every rank, and a failure rolls every rank back.
         """
         try:
+            quantized = directory_format(model_path)
+            if quantized is not None:
+                raise ModelLoadError(
+                    f"update_weights_from_disk takes unquantized checkpoints, and {model_path} is "
+                    f"{quantized.describe()}: dequantize it first (or start a new LLM on it)"
+                )
             checkpoint = SafetensorsCheckpoint(model_path)
             specs = checkpoint.tensor_specs()
             problem = update_problem(

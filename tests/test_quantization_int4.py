@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnirun.errors import ModelLoadError
+from omnirun.errors import ModelLoadError, WeightUpdateError
 from omnirun.quantization import dequantized, quantized_format
 from omnirun.quantization.int4 import AWQ_ORDER, unpack
 from omnirun.registry import select_platform
-from omnirun.testing import greedy_generate, hf_greedy, make_runner
+from omnirun.testing import greedy_generate, hf_greedy, make_runner, tiny_hf_model
 from quantized_checkpoints import AWQ_PACK_ORDER, write_int4_checkpoint
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3]]
@@ -85,3 +85,17 @@ def test_scales_of_the_wrong_group_count_are_refused():
     ]
     with pytest.raises(ModelLoadError, match="8 inputs in groups of 4 needs 2 groups of scales, the checkpoint has 1"):
         list(dequantized(iter(stream), fmt, torch.float32))
+
+
+def test_a_weight_update_from_a_quantized_checkpoint_is_refused_and_changes_nothing(tmp_path):
+    tiny_hf_model("llama").save_pretrained(tmp_path / "plain")
+    write_int4_checkpoint(tmp_path / "awq", "llama", "awq", 32)
+    runner = make_runner(select_platform("cpu"), tmp_path / "plain")
+    try:
+        name = "model.layers.0.mlp.down_proj.weight"
+        before = runner.get_weights_by_name(name)
+        with pytest.raises(WeightUpdateError, match="takes unquantized checkpoints, and .* is awq int4 group 32"):
+            runner.update_weights_from_disk(str(tmp_path / "awq"))
+        assert torch.equal(runner.get_weights_by_name(name), before)
+    finally:
+        runner.close()
