@@ -9,9 +9,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from omnirun.testing import tiny_hf_model
+from omnirun.registry import select_platform
+from omnirun.testing import greedy_generate, hf_greedy, make_runner, tiny_hf_model
 
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3]]
+
+
+def assert_loads_as(path: Path, hf, stands_for: dict[str, torch.Tensor], described: str) -> None:
+    """omnirun on cpu loads the checkpoint at `path` as `described`, every weight equal to what it stands for bit
+    for bit (greedy tokens alone would miss a slightly wrong scale), and its greedy tokens equal `hf`'s."""
+    runner = make_runner(select_platform("cpu"), path)
+    try:
+        assert runner.describe()["weights"] == f"{described}, dequantized to float32 at load"
+        for name, weight in stands_for.items():
+            assert torch.equal(runner.get_weights_by_name(name), weight), name
+        tokens = greedy_generate(runner, PROMPTS, max_new_tokens=8)
+    finally:
+        runner.close()
+    assert tokens == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
 
 
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | str | None) -> tuple[torch.Tensor, torch.Tensor]:
