@@ -17,6 +17,7 @@ import gc
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.models.decoder import DecoderForCausalLM
 from omnirun.models.tp_layout import tp_layout
 from omnirun.platform import Platform
-from omnirun.quantization import dequantized, directory_format, quantized_format
+from omnirun.quantization import dequantized, quantized_format
 from omnirun.registry import select_platform
 from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory
 from omnirun.weights import apply_update, load_weights, read_weight, refuse_unless_agreed, update_problem
@@ -413,7 +414,9 @@ class ModelRunner:
         failure on any rank is raised on every rank, and a failure rolls every rank back.
         """
         try:
-            quantized = directory_format(model_path)
+            # The checkpoint's own config, where it has one, says whether it is quantized.
+            has_config = (Path(model_path) / "config.json").is_file()
+            quantized = quantized_format(load_model_config(model_path, "auto")) if has_config else None
             if quantized is not None:
                 raise ModelLoadError(
                     f"update_weights_from_disk takes unquantized checkpoints, and {model_path} is "

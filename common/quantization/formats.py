@@ -3,9 +3,6 @@ weight is read when omnirun cannot load it."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
@@ -67,15 +64,3 @@ def quantized_format(config: Any) -> QuantizedFormat | None:
             f"(supported: {', '.join(_FORMATS)}): use an unquantized or {'/'.join(_FORMATS)} checkpoint"
         )
     return parse(quantization)
-
-
-def directory_format(directory: str | Path) -> QuantizedFormat | None:
-    """The format a checkpoint directory's config.json names (None: unquantized, or no config.json there)."""
-    config = Path(directory) / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        quantization = json.loads(config.read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ModelLoadError(f"cannot read {config}: {' '.join(str(exc).split())}") from exc
-    return quantized_format(SimpleNamespace(quantization_config=quantization))
