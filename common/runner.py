@@ -146,7 +146,7 @@ class ModelRunner:
             self.graph_runner = self._make_graph_runner()
             self.kv = self._init_kv_memory()
             self.attention = self._init_attention()
-            self.sampler = Sampler(self.ops.argmax, self.ops.sample)
+            self.sampler = Sampler(self.ops.argmax, self.ops.sample, self.ops.apply_penalties)
             if self.graph_runner is not None:
                 self.graph_runner.capture(progress=config.progress)
         except BaseException:

@@ -232,6 +232,14 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
         ]
         params = [SamplingParams(**filters[i % len(filters)], seed=i) for i in range(rows)]
         return logits, SamplingBatch.build(params, list(range(rows)), device, vocab_size=logits.shape[1])
+    if name == "apply_penalties":
+        # Four batch rows reading three of five pool rows (one twice), every penalty on somewhere and off somewhere.
+        counts = torch.randint(0, 3, (5, 1_000), generator=gen, dtype=torch.int32)
+        counts = (counts * (torch.rand(5, 1_000, generator=gen) < 0.3)).to(device)
+        prompt_seen = (torch.rand(5, 1_000, generator=gen) < 0.1).to(device)
+        rows = torch.tensor([4, 0, 4, 2], device=device)
+        penalties = torch.tensor([[1.0, 1.5, 0.7, 1.2], [0.0, 0.4, -0.3, 1.1], [0.0, -1.0, 0.5, 0.2]], device=device)
+        return rand(4, 1_000, scale=3.0), counts, prompt_seen, rows, *penalties
     if name == "rotary_embedding":
         table = torch.randn(64, 32, generator=gen).to(device)  # float32 [positions, head_dim]: cos | sin
         positions = torch.tensor([0, 3, 9, 17, 63], device=device)

@@ -23,10 +23,10 @@ from omnirun.engine.detokenizer import IncrementalDetokenizer
 from omnirun.engine.request import FinishReason, Request
 from omnirun.engine.request_checks import check_request
 from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
-from omnirun.host_to_device import to_device
 from omnirun.memory.radix_cache import RadixCache
 from omnirun.runner import ModelRunner
 from omnirun.sampling import SamplingParams, TokenHistory
+from omnirun.sampling.token_counts import TokenCounts
 
 # Tokens one prefill step may compute, and the largest piece of one prompt per step, when not configured.
 DEFAULT_MAX_PREFILL_TOKENS = 8192
@@ -117,6 +117,8 @@ class Engine:
             if self.overlap
             else None
         )
+        # The penalties' token counts of each request row, kept on the device (allocated at the first penalty).
+        self._token_counts = TokenCounts(runner.kv.req_to_token.max_requests, runner.device)
         self._in_flight: _Launched | None = None
         self._ids = itertools.count()
         # Every request added and not yet finished, by id (what abort() looks up).
@@ -193,6 +195,7 @@ class Engine:
         cannot step afterwards."""
         self._in_flight = None
         self._row_tokens = None
+        self._token_counts = None
         self.scheduler = self.prefix_cache = None  # they hold the KV pool
         self.runner.close()
 
@@ -245,8 +248,10 @@ class Engine:
         if len(requests) != logits.shape[0]:
             logits = logits[step.sampling]
         params = [r.params for r in requests]
-        history = self._token_history(requests, step) if any(p.adjusts_logits for p in params) else None
+        history = self._token_history(requests, logits.shape[-1]) if any(p.adjusts_logits for p in params) else None
         out = self.runner.sample(logits, params, [len(r.output_ids) + r.num_pending for r in requests], history)
+        if history is not None and history.kept is not None:
+            self._token_counts.add(history.kept, out.token_ids)
         for req in requests:
             req.num_pending += 1
         if self.overlap:
@@ -260,17 +265,21 @@ class Engine:
         done.record()
         return _Launched(step, requests, *to_host, done=done)
 
-    def _token_history(self, requests: list[Request], step: ScheduledStep) -> TokenHistory:
-        """What penalties and min_tokens read: each request's tokens, its newest one where only the device has it."""
-        pending = None
-        if self.overlap and any(r.num_pending for r in requests):
-            rows = step.batch.req_pool_indices
-            if len(requests) != step.batch.batch_size:
-                rows = rows[step.sampling]
-            on_device = to_device([r.num_pending > 0 for r in requests], torch.bool, self.runner.device)
-            pending = torch.where(on_device, self._row_tokens[rows], -1)
+    def _token_history(self, requests: list[Request], vocab_size: int) -> TokenHistory:
+        """What penalties and min_tokens read: each request's tokens, and the device's counts of them (penalties).
+        The counts hold a request's newest token, where only the device has it (overlap scheduling), too."""
         prompts, outputs = [r.prompt_ids for r in requests], [r.output_ids for r in requests]
-        return TokenHistory(prompts, outputs, pending, sorted(self.eos_token_ids))
+        kept = self._token_counts.view(
+            owners=[r.request_id for r in requests],
+            rows=[r.row for r in requests],
+            params=[r.params for r in requests],
+            prompt_ids=prompts,
+            output_ids=outputs,
+            pending=[r.num_pending for r in requests],
+            row_tokens=self._row_tokens,
+            vocab_size=vocab_size,
+        )
+        return TokenHistory(prompts, outputs, eos_token_ids=sorted(self.eos_token_ids), kept=kept)
 
     def _complete(self, launched: _Launched | None) -> list[Request]:
         """Wait for a launched step's tokens, append them and apply the stop rules."""

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omnirun.layers import native_ops
+from omnirun.sampling import adjust as sampling_adjust
 from omnirun.sampling import reference as sampling_reference
 
 
@@ -24,6 +25,9 @@ class Ops:
     # A sampled row's pick: (logits [B, V], SamplingBatch) -> int64 [B], filtered by temperature, top-k, top-p and
     # min-p, drawn with the batch's counter-based random numbers.
     sample: Callable[..., Any] = sampling_reference.sample
+    # Repetition, frequency and presence penalties before sampling: (logits [B, V], counts [R, V] int32,
+    # prompt_seen [R, V] bool or None, rows [B], repetition, frequency, presence [B]) -> float32 [B, V].
+    apply_penalties: Callable[..., Any] = sampling_adjust.apply_penalties
     # Deterministic mode's linear: each row's result independent of the row count (native_ops has the reference).
     batch_invariant_linear: Callable[..., Any] = native_ops.batch_invariant_linear
 

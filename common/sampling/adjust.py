@@ -1,9 +1,10 @@
 """Logit adjustments before sampling: repetition, frequency and presence penalties, logit bias, min_tokens.
 
 Built once per batch, and only when some request of the batch asks for one (`SamplingParams.adjusts_logits`),
-from host tensors copied without a sync; the math then runs as a few batched tensor ops over the whole [B, V]
-logits. The order is vLLM's: repetition
-penalty, then frequency and presence penalties, then the logit bias, then min_tokens' mask.
+from host tensors copied without a sync. The penalties run as the op table's `apply_penalties` (one pass over the
+[B, V] logits in a platform's kernel; `apply_penalties` below is the reference), the bias and min_tokens as two
+indexed writes. The order is vLLM's: repetition penalty, then frequency and presence penalties, then the logit
+bias, then min_tokens' mask.
 
 - repetition_penalty p (HF, vLLM): a token seen in the prompt or the output has its logit divided by p when
   positive and multiplied by p otherwise.
@@ -11,13 +12,14 @@ penalty, then frequency and presence penalties, then the logit bias, then min_to
 - logit_bias: added to the named tokens' logits.
 - min_tokens m: while fewer than m tokens were generated, EOS and the request's stop_token_ids get -inf.
 
-With overlap scheduling a request's newest token may still be on the device (not in its host-side output ids):
-`TokenHistory.pending` carries it there, and it is counted without a sync.
-"""
+The penalties read per-request token counts. The engine keeps them on the device from step to step
+(omnirun.sampling.token_counts, passed as `TokenHistory.kept`); without them they are counted here from the host's
+token lists. With overlap scheduling a request's newest token may still be on the device (not in its host-side
+output ids): `TokenHistory.pending` carries it there, and it is counted without a sync."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,16 @@ from omnirun.sampling.params import SamplingParams
 
 
 @dataclass
+class KeptCounts:
+    """Token counts kept on the device from step to step (omnirun.sampling.token_counts): batch row i reads row
+    rows[i] of `counts` and `prompt_seen`. Its rows already hold every sampled token, pending ones included."""
+
+    counts: torch.Tensor  # [R, V] int32: occurrences in the output
+    prompt_seen: torch.Tensor | None  # [R, V] bool: in the prompt (None: no row of the batch has a repetition penalty)
+    rows: torch.Tensor  # [B] int64
+
+
+@dataclass
 class TokenHistory:
     """What the adjustments need to know of each request of a batch, in row order."""
 
@@ -35,15 +47,39 @@ class TokenHistory:
     output_ids: Sequence[Sequence[int]]  # output tokens the host has
     pending: torch.Tensor | None = None  # [B] int64 on the logits' device: a token not on the host yet, -1 if none
     eos_token_ids: Sequence[int] = ()  # what min_tokens holds back, besides each request's stop_token_ids
+    kept: KeptCounts | None = None  # the penalties read these instead of counting prompt_ids and output_ids
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    prompt_seen: torch.Tensor | None,
+    rows: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """The op table's `apply_penalties` reference: the repetition, frequency and presence penalties of batch row i
+    from row rows[i] of `counts` [R, V] int32 (occurrences in the output) and `prompt_seen` [R, V] bool (None: no
+    row has a repetition penalty), as a new float32 [B, V] tensor. repetition, frequency, presence: [B] float32
+    (1, 0 and 0 where off: a row with all three off comes out as its logits)."""
+    x = logits.float()
+    counted = counts[rows]
+    in_output = counted > 0
+    seen = in_output if prompt_seen is None else in_output | prompt_seen[rows]
+    rep = repetition[:, None]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    return x - frequency[:, None] * counted - presence[:, None] * in_output
 
 
 @dataclass
 class LogitAdjustments:
-    counts: torch.Tensor | None  # [B, V] float32: occurrences in the output (penalized rows only)
-    prompt_seen: torch.Tensor | None  # [B, V] bool: in the prompt (rows with a repetition penalty only)
-    repetition: torch.Tensor  # [B, 1] float32, 1 where off
-    frequency: torch.Tensor  # [B, 1] float32
-    presence: torch.Tensor  # [B, 1] float32
+    counts: torch.Tensor | None  # [R, V] int32: occurrences in the output (None: no penalized row)
+    prompt_seen: torch.Tensor | None  # [R, V] bool: in the prompt (rows with a repetition penalty only)
+    rows: torch.Tensor | None  # [B] int64: the row of counts/prompt_seen each batch row reads
+    repetition: torch.Tensor  # [B] float32, 1 where off
+    frequency: torch.Tensor  # [B] float32
+    presence: torch.Tensor  # [B] float32
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf (min_tokens)
 
@@ -63,19 +99,12 @@ class LogitAdjustments:
                     "presence/frequency/repetition penalties need each request's tokens: pass a TokenHistory"
                 )
             history = TokenHistory(prompt_ids=[[]] * len(params), output_ids=[[]] * len(params))
-        rows = len(params)
-        counts = prompt_seen = None
-        if any(p.penalized for p in params):
-            counts = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
-            penalized = [i for i, p in enumerate(params) if p.penalized]
-            _put(counts, penalized, [history.output_ids[i] for i in penalized], 1.0, device, accumulate=True)
-            if history.pending is not None:
-                pending = history.pending.to(device=device, dtype=torch.int64)
-                counts.scatter_add_(1, pending.clamp(min=0)[:, None], (pending >= 0).float()[:, None])
-            repeated = [i for i in penalized if params[i].repetition_penalty != 1]
-            if repeated:
-                prompt_seen = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)
-                _put(prompt_seen, repeated, [history.prompt_ids[i] for i in repeated], True, device)
+        counts = prompt_seen = rows = None
+        if history.kept is not None:
+            counts, prompt_seen, rows = history.kept.counts, history.kept.prompt_seen, history.kept.rows
+        elif any(p.penalized for p in params):
+            counts, prompt_seen = _counted(params, history, vocab_size, device)
+            rows = torch.arange(len(params), device=device)
         bias = None
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if biased:
@@ -95,25 +124,34 @@ class LogitAdjustments:
                     to_device([i for i, _ in pairs], torch.int64, device),
                     to_device([t for _, t in pairs], torch.int64, device),
                 )
+        penalties = to_device(
+            [
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+            ],
+            torch.float32,
+            device,
+        )
         return cls(
             counts=counts,
             prompt_seen=prompt_seen,
-            repetition=to_device([[p.repetition_penalty] for p in params], torch.float32, device),
-            frequency=to_device([[p.frequency_penalty] for p in params], torch.float32, device),
-            presence=to_device([[p.presence_penalty] for p in params], torch.float32, device),
+            rows=rows,
+            repetition=penalties[0],
+            frequency=penalties[1],
+            presence=penalties[2],
             bias=bias,
             banned=banned,
         )
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The adjusted logits, as a new float32 tensor (`logits` is left as it is)."""
-        x = logits.to(torch.float32, copy=True)
-        if self.counts is not None:
-            in_output = self.counts > 0
-            if self.prompt_seen is not None:
-                seen = in_output | self.prompt_seen
-                x = torch.where(seen, torch.where(x > 0, x / self.repetition, x * self.repetition), x)
-            x = x - self.frequency * self.counts - self.presence * in_output.float()
+    def apply(self, logits: torch.Tensor, penalties: Callable[..., torch.Tensor] = apply_penalties) -> torch.Tensor:
+        """The adjusted logits, as a new float32 tensor (`logits` is left as it is); `penalties` is the op table's
+        `apply_penalties`."""
+        if self.counts is None:
+            x = logits.to(torch.float32, copy=True)
+        else:
+            args = (self.counts, self.prompt_seen, self.rows, self.repetition, self.frequency, self.presence)
+            x = penalties(logits, *args)
         if self.bias is not None:
             x.index_put_(self.bias[:2], self.bias[2], accumulate=True)
         if self.banned is not None:
@@ -121,7 +159,26 @@ class LogitAdjustments:
         return x
 
 
-def _put(
+def _counted(
+    params: Sequence[SamplingParams], history: TokenHistory, vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The penalties' [B, V] counts and prompt marks of one batch, counted from the host's token lists."""
+    rows = len(params)
+    counts = torch.zeros(rows, vocab_size, dtype=torch.int32, device=device)
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    put(counts, penalized, [history.output_ids[i] for i in penalized], 1, device, accumulate=True)
+    if history.pending is not None:
+        pending = history.pending.to(device=device, dtype=torch.int64)
+        counts.scatter_add_(1, pending.clamp(min=0)[:, None], (pending >= 0).to(torch.int32)[:, None])
+    prompt_seen = None
+    repeated = [i for i in penalized if params[i].repetition_penalty != 1]
+    if repeated:
+        prompt_seen = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)
+        put(prompt_seen, repeated, [history.prompt_ids[i] for i in repeated], True, device)
+    return counts, prompt_seen
+
+
+def put(
     target: torch.Tensor,
     rows: list[int],
     ids: list[Sequence[int]],

@@ -16,7 +16,7 @@ import torch
 from omnirun.errors import SamplingParamsError
 from omnirun.host_to_device import to_device
 from omnirun.layers import native_ops
-from omnirun.sampling import reference
+from omnirun.sampling import adjust, reference
 from omnirun.sampling.adjust import LogitAdjustments, TokenHistory
 from omnirun.sampling.counter_rng import row_key
 from omnirun.sampling.params import SamplingParams
@@ -42,6 +42,7 @@ class SamplingBatch:
     any_top_k: bool
     any_min_p: bool
     max_top_k: int  # the largest top-k of a sampled row (0: none has top-k on); a kernel sizes its short list by it
+    any_top_p_alone: bool  # a sampled row has top-p and no top-k (a kernel may list candidates for its nucleus)
     max_logprobs: int  # largest top-n requested (0: chosen token only), -1 when nobody wants logprobs
     adjustments: LogitAdjustments | None = None  # penalties, logit bias, min_tokens (None: no request uses any)
 
@@ -96,6 +97,7 @@ class SamplingBatch:
             any_top_k=any(p.top_k > 0 for p in sampled),
             any_min_p=any(p.min_p > 0 for p in sampled),
             max_top_k=max((p.top_k for p in sampled if p.top_k > 0), default=0),
+            any_top_p_alone=any(p.top_p < 1 and p.top_k <= 0 for p in sampled),
             max_logprobs=max_logprobs,
             adjustments=adjustments,
         )
@@ -118,14 +120,16 @@ class Sampler:
         self,
         argmax: Callable[[torch.Tensor], torch.Tensor] = native_ops.argmax,
         sample: Callable[[torch.Tensor, SamplingBatch], torch.Tensor] = reference.sample,
+        apply_penalties: Callable[..., torch.Tensor] = adjust.apply_penalties,
     ):
         # The op table's picks: a platform's kernels, else the torch references.
         self.greedy = argmax
         self.sample = sample
+        self.apply_penalties = apply_penalties
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Tokens from the logits after the batch's adjustments; logprobs stay those of the raw logits."""
-        adjusted = logits if batch.adjustments is None else batch.adjustments.apply(logits)
+        adjusted = logits if batch.adjustments is None else batch.adjustments.apply(logits, self.apply_penalties)
         token_ids = self.greedy(adjusted)
         if not batch.all_greedy:
             token_ids = torch.where(batch.greedy, token_ids, self.sample(adjusted, batch))

@@ -24,10 +24,12 @@ from omnirun.kernels.triton.ops import (  # noqa: E402
     silu_and_mul,
     triton_fused_ops,
 )
+from omnirun.kernels.triton.penalties import apply_penalties as triton_apply_penalties  # noqa: E402
 from omnirun.kernels.triton.sample import sample as triton_sample  # noqa: E402
 from omnirun.layers import native_ops  # noqa: E402
 from omnirun.layers.ops import deterministic_ops, resolve_ops  # noqa: E402
 from omnirun.layers.rotary import cos_sin_table  # noqa: E402
+from omnirun.sampling import adjust as sampling_adjust  # noqa: E402
 from omnirun.sampling import reference as sampling_reference  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -188,10 +190,12 @@ def test_the_op_table_takes_every_kernel():
         "rotary_embedding",
         "batch_invariant_linear",
         "sample",
+        "apply_penalties",
     }
     table = resolve_ops(ops)
     assert table.rms_norm is rms_norm and table.rotary_embedding is rotary_embedding
     assert table.sample is triton_sample is not sampling_reference.sample
+    assert table.apply_penalties is triton_apply_penalties is not sampling_adjust.apply_penalties
     assert table.linear is native_ops.linear  # what the kernels do not cover stays the reference
     # The batch-invariant matmul serves deterministic mode's linear layers only.
     assert deterministic_ops(table).linear is ops["batch_invariant_linear"] is not native_ops.batch_invariant_linear

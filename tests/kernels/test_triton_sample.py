@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the sampling kernel needs it")
 
-from omnirun.kernels.triton.sample import TIE_ROOM, sample  # noqa: E402
+from omnirun.kernels.triton.sample import MAX_SHORTLIST, TIE_ROOM, sample  # noqa: E402
 from omnirun.sampling import SamplingBatch, SamplingParams, reference  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -78,6 +78,37 @@ def test_a_tie_longer_than_the_short_list_searches_the_whole_row():
     draws = sample(logits[:1].expand(copies, -1).contiguous(), unseeded).cpu()
     assert kept[0, draws].all()
     assert len(set(draws.tolist()) - {0, 1}) > TIE_ROOM + 1, "drew only from the listed part of the tie"
+
+
+def test_top_p_rows_without_top_k_cut_a_listed_nucleus_or_search():
+    """Rows with top-p and no top-k list the MAX_SHORTLIST largest logits: a nucleus that ends inside the list with
+    its whole tie is cut there, any other searches the whole row. Rows 0-31 are one staircase (a nucleus of a few
+    listed tokens, the next one likely enough to be drawn if the cut kept it) under 32 seeds, row 32 is flat (its
+    nucleus is not listed), and row 33's nucleus ends in a tie of 1,990 tokens that the list holds only part of."""
+    vocab, seeds = MAX_SHORTLIST + 976, 32
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(seeds + 2, vocab, generator=gen)
+    logits[:seeds] -= 8.0
+    logits[:seeds, :8] = 3.0 - 0.4 * torch.arange(8.0)
+    logits[seeds + 1] = 0.0
+    logits[seeds + 1, :10] = 5.0
+    params = [SamplingParams(temperature=1.0, top_p=0.7, seed=row) for row in range(seeds + 1)]
+    params.append(SamplingParams(temperature=1.0, top_p=0.6, seed=2))
+    batch = SamplingBatch.build(params, [0] * len(params), DEVICE, vocab_size=vocab)
+    assert batch.any_top_p_alone
+    logits = logits.to(DEVICE)
+    kept = reference.filtered_probs(logits, batch) > 0
+    assert kept[seeds + 1].sum() == vocab  # the tie at the cut keeps all of it
+    expected = reference.sample(logits, batch).cpu()
+    assert len(set(expected[:seeds].tolist())) >= 3  # the staircase's draws spread over its nucleus
+    assert torch.equal(sample(logits, batch).cpu(), expected)
+    torch.manual_seed(0)
+    copies = 64
+    unseeded = SamplingBatch.build([SamplingParams(top_p=0.6)] * copies, [0] * copies, DEVICE, vocab)
+    tied = logits[seeds + 1 :].expand(copies, -1).contiguous()
+    draws = sample(tied, unseeded).cpu()
+    listed = set(torch.topk(tied[0], MAX_SHORTLIST).indices.tolist())
+    assert set(draws.tolist()) - listed, "drew only from the listed part of the tie"
 
 
 def _filtered_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -416,6 +416,12 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
     if pdl:
         ops = {name: functools.partial(op, pdl=True) for name, op in ops.items()}
     from omnirun.kernels.triton.matmul import batch_invariant_linear  # deterministic mode's linear layers
+    from omnirun.kernels.triton.penalties import apply_penalties  # the penalties in one pass over the logits
     from omnirun.kernels.triton.sample import sample  # sort-free sampling (bench/sample_op.py measures it)
 
-    return {**ops, "batch_invariant_linear": batch_invariant_linear, "sample": sample}
+    return {
+        **ops,
+        "batch_invariant_linear": batch_invariant_linear,
+        "sample": sample,
+        "apply_penalties": apply_penalties,
+    }

@@ -180,6 +180,23 @@ def _sample_candidates(
 
 
 @triton.jit
+def _listed_nucleus(row_ptr, vocab, listed, index, count, temperature, top_p, BLOCK: tl.constexpr):
+    """For a row without top-k whose `count` largest logits are `listed` (sorted, descending): one past the index
+    of the nucleus's last token when the nucleus and the whole tie at its cut lie inside the list, else 0. The
+    goal is top_p of the whole row's mass, summed in one pass as the search sums it."""
+    top = tl.max(listed, axis=0)
+    whole_row = tl.full((1,), _INF_BITS, tl.int32)
+    total = tl.sum(_kept_at(row_ptr, vocab, top, temperature, whole_row, True, BLOCK), axis=0)
+    d = -((listed - top) / temperature)
+    running = tl.cumsum(tl.where(index < count, tl.exp(-d), 0.0), axis=0)
+    needed = tl.sum((running < top_p * total).to(tl.int32), axis=0)  # the first index whose running mass reaches it
+    d_cut = tl.sum(tl.where(index == needed, d, 0.0), axis=0)
+    d_last = tl.sum(tl.where(index == count - 1, d, 0.0), axis=0)
+    inside = (needed < count) & ((count == vocab) | (d_last > d_cut))
+    return tl.where(inside, needed + 1, 0).to(tl.int64)
+
+
+@triton.jit
 def _sample_row(
     row_ptr,
     vocab,
@@ -248,6 +265,7 @@ def _sample_kernel(
     TOP_P: tl.constexpr,
     MIN_P: tl.constexpr,
     CANDIDATES: tl.constexpr,
+    NUCLEUS: tl.constexpr,
     PIVOTS: tl.constexpr,
     BLOCK: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
@@ -272,7 +290,19 @@ def _sample_kernel(
         listed = tl.load(vals_ptr + row * count + index, mask=index < count, other=float("-inf")).to(tl.float32)
         kth = tl.sum(tl.where(index == k - 1, listed, 0.0), axis=0)
         last = tl.sum(tl.where(index == count - 1, listed, 0.0), axis=0)
-        if (k >= 1) & ((count == vocab) | ((k < count) & (last < kth))):
+        listed_top_k = (k >= 1) & ((count == vocab) | ((k < count) & (last < kth)))
+        if NUCLEUS:
+            # A row with top-p and no top-k: its nucleus, with the whole tie at its cut, may lie in the list too.
+            # Then it is top-k with k one past the nucleus's last token, and no top-p left to apply.
+            if (listed_top_k == 0) & ((k == 0) | (k >= vocab)) & (top_p < 1.0):
+                k_nucleus = _listed_nucleus(
+                    logits_ptr + row * stride, vocab, listed, index, count, temperature, top_p, BLOCK
+                )
+                if k_nucleus > 0:
+                    k = k_nucleus
+                    top_p = tl.full((), 1.0, tl.float32)
+                    listed_top_k = k >= 1
+        if listed_top_k:
             token = _sample_candidates(
                 vals_ptr + row * count,
                 ids_ptr + row * count,
@@ -336,8 +366,9 @@ def sample(
         return out
     vals = ids = out  # unread placeholders where there is no short list
     count = 0
-    if shortlist and batch.any_top_k and batch.max_top_k + TIE_ROOM <= MAX_SHORTLIST:
-        count = min(vocab, batch.max_top_k + TIE_ROOM)
+    nucleus = shortlist and batch.any_top_p_alone  # the list serves top-p rows without top-k too: make it long
+    if shortlist and (batch.any_top_k or nucleus) and batch.max_top_k + TIE_ROOM <= MAX_SHORTLIST:
+        count = min(vocab, MAX_SHORTLIST if nucleus else batch.max_top_k + TIE_ROOM)
         vals, ids = torch.topk(logits, count, dim=-1, sorted=True)
     block = min(4096, triton.next_power_of_2(vocab))
     _sample_kernel[(rows,)](
@@ -357,6 +388,7 @@ def sample(
         TOP_P=batch.any_top_p,
         MIN_P=batch.any_min_p,
         CANDIDATES=triton.next_power_of_2(count) if count else 0,
+        NUCLEUS=nucleus and count > 0,
         PIVOTS=pivots,
         BLOCK=block,
         SEARCH_BLOCK=max(4 * block // pivots, 64),
