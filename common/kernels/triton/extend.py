@@ -10,6 +10,8 @@ the block's first query are skipped. Online softmax in float32, base 2 (see deco
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -39,7 +41,20 @@ def _key_block(
     return online_softmax_block(q, k, v, mask, acc, l_i, m_i, scale_log2, Q_TY, DOT_TY)
 
 
-@triton.jit
+# The per-request metadata are rows of packed tensors, so whether each starts 16-byte aligned depends on the batch
+# size, and Triton compiles one variant per combination of alignments on first launch: on a fresh H100 server the
+# first requests of some batch sizes waited up to 0.7 s for one (the warm-up met others). The kernel loads them
+# one scalar at a time, which alignment does not speed up: one variant serves every batch size (older triton
+# releases lack the option and specialise as before).
+_METADATA = ["req_rows", "q_starts", "extend_lens", "prefix_lens"]
+_ANY_ALIGNMENT = (
+    {"do_not_specialize_on_alignment": _METADATA}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+    else {}
+)
+
+
+@triton.jit(**_ANY_ALIGNMENT)
 def _extend_kernel(
     Q,
     K_cache,
