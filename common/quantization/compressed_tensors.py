@@ -1,8 +1,10 @@
 """`quant_method: "compressed-tensors"` checkpoints (llm-compressor's), as far as omnirun loads them: the
-"float-quantized" format with 8-bit float weights per tensor, per channel or per block, any activation scheme.
-The config's `config_groups` say, per group of target layers, how its `weights` and `input_activations` are
-quantized (compressed-tensors' QuantizationArgs: num_bits, type, strategy, dynamic, block_structure); layers in
-`ignore` are saved unquantized and load as they are. A `kv_cache_scheme` adds `k_scale`/`v_scale` tensors."""
+"float-quantized" format with 8-bit float weights per tensor, per channel or per block, any activation scheme, and
+the "pack-quantized" format with 4- or 8-bit int weights per group or channel and 16-bit activations (W4A16,
+W8A16: omnirun.quantization.pack_quantized). The config's `config_groups` say, per group of target layers, how its
+`weights` and `input_activations` are quantized (compressed-tensors' QuantizationArgs: num_bits, type, strategy,
+dynamic, block_structure); layers in `ignore` are saved unquantized and load as they are. A `kv_cache_scheme` adds
+`k_scale`/`v_scale` tensors."""
 
 from __future__ import annotations
 
@@ -10,19 +12,42 @@ from typing import Any
 
 from omnirun.errors import ModelLoadError
 from omnirun.quantization.fp8 import STRATEGIES, Fp8Format, block_shape
+from omnirun.quantization.pack_quantized import PackedIntFormat
 
-FORMATS = ("float-quantized",)
+FORMATS = ("float-quantized", "pack-quantized")
 
 
-def from_config(quantization: dict[str, Any]) -> Fp8Format:
-    fmt = quantization.get("format")
-    if fmt not in FORMATS:
-        raise ModelLoadError(
-            f"compressed-tensors format {fmt!r} is not supported yet: omnirun loads {', '.join(FORMATS)} (fp8 weights)"
-        )
+def from_config(quantization: dict[str, Any]) -> Fp8Format | PackedIntFormat:
     groups = quantization.get("config_groups") or {}
     if not groups:
         raise ModelLoadError("the compressed-tensors config has no config_groups: re-save the checkpoint")
+    # The format is the config's, or (newer llm-compressor) each group's.
+    formats = {quantization.get("format")} if quantization.get("format") else {g.get("format") for g in groups.values()}
+    if len(formats) != 1 or not formats <= set(FORMATS):
+        raise ModelLoadError(
+            f"compressed-tensors format {', '.join(sorted(map(str, formats)))} is not supported yet: omnirun loads "
+            f"{', '.join(FORMATS)} (fp8 weights; int4/int8 weights with 16-bit activations), one per checkpoint"
+        )
+    if formats == {"pack-quantized"}:
+        return _packed(groups)
+    return _float(quantization, groups)
+
+
+def _packed(groups: dict[str, Any]) -> PackedIntFormat:
+    schemes = set()
+    for name, group in groups.items():
+        if group.get("input_activations"):
+            raise ModelLoadError(
+                f"compressed-tensors group {name!r} quantizes its input activations: omnirun loads pack-quantized "
+                "weights with 16-bit activations (W4A16, W8A16) only"
+            )
+        schemes.add(PackedIntFormat.from_weights(name, group.get("weights") or {}))
+    if len(schemes) > 1:
+        raise ModelLoadError(f"compressed-tensors groups with different weight schemes ({sorted(schemes, key=str)})")
+    return schemes.pop()
+
+
+def _float(quantization: dict[str, Any], groups: dict[str, Any]) -> Fp8Format:
     schemes = set()
     static = False
     for name, group in groups.items():

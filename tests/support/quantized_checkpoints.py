@@ -223,3 +223,85 @@ def write_int4_checkpoint(path: Path, arch: str, method: str, group_size: int, a
     (path / "config.json").write_text(json.dumps(config))
     hf.load_state_dict(stands_for, strict=False)
     return hf, stands_for
+
+
+# --- compressed-tensors pack-quantized (llm-compressor's W4A16 / W8A16: PackedQuantizationCompressor) -----------
+
+
+def _pack_signed(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """compressed-tensors' pack_to_int32: signed ints shifted to unsigned (+ 2^(bits-1)), padded to whole words,
+    field i of word j along `dim` holding position j * per_word + i, the lowest bits first."""
+    per_word = 32 // bits
+    unsigned = (values.long() + (1 << (bits - 1))).movedim(dim, 0)
+    padding = -unsigned.shape[0] % per_word
+    unsigned = torch.cat([unsigned, unsigned.new_zeros(padding, *unsigned.shape[1:])])
+    packed = torch.zeros(unsigned.shape[0] // per_word, *unsigned.shape[1:], dtype=torch.int64)
+    for i in range(per_word):
+        packed |= unsigned[i::per_word] << (bits * i)
+    return _as_int32(packed.movedim(0, dim).contiguous())
+
+
+def write_pack_quantized_checkpoint(
+    path: Path, arch: str, bits: int, group_size: int | None, symmetric: bool, actorder: bool = False
+):
+    """A tiny random `arch` model saved as a compressed-tensors pack-quantized checkpoint of its decoder projections
+    (group_size None: per channel; actorder: groups over a permutation of the inputs, saved as weight_g_idx);
+    returns the HF model with the weights the checkpoint stands for in their place, and those weights by name."""
+    hf = tiny_hf_model(arch)
+    hf.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    stands_for = {}
+    gen = torch.Generator().manual_seed(13)
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    for name in list(tensors):
+        if not (".layers." in name and name.endswith("proj.weight")):
+            continue
+        weight = tensors.pop(name).float()
+        layer = name.removesuffix(".weight")
+        rows, columns = weight.shape
+        size = group_size or columns
+        group = torch.arange(columns) // size
+        if actorder:
+            group = group[torch.randperm(columns, generator=gen)]
+        groups = -(-columns // size)
+        scale, zero = torch.empty(rows, groups), torch.zeros(rows, groups, dtype=torch.int64)
+        q = torch.empty(rows, columns, dtype=torch.int64)
+        for g in range(groups):
+            part = weight[:, group == g]
+            if symmetric:
+                scale[:, g] = (part.abs().amax(1) / high).clamp(min=1e-6)
+            else:
+                lo, hi = part.amin(1).clamp(max=0), part.amax(1).clamp(min=0)
+                scale[:, g] = ((hi - lo) / (high - low)).clamp(min=1e-6)
+                zero[:, g] = (low - torch.round(lo / scale[:, g])).clamp(low, high).long()
+            scale[:, g] = scale[:, g].to(torch.bfloat16).float()  # the checkpoint stores the model dtype
+            q[:, group == g] = (torch.round(part / scale[:, g : g + 1]) + zero[:, g : g + 1]).clamp(low, high).long()
+        stands_for[name] = (q - zero[:, group]).float() * scale[:, group]
+        tensors[f"{layer}.weight_packed"] = _pack_signed(q, bits, dim=1)
+        tensors[f"{layer}.weight_scale"] = scale.to(torch.bfloat16)
+        tensors[f"{layer}.weight_shape"] = torch.tensor([rows, columns], dtype=torch.int64)
+        if not symmetric:
+            tensors[f"{layer}.weight_zero_point"] = _pack_signed(zero, bits, dim=0)
+        if actorder:
+            tensors[f"{layer}.weight_g_idx"] = group.int()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": symmetric,
+        "strategy": "group" if group_size else "channel",
+        "group_size": group_size,
+        "actorder": "group" if actorder else None,
+        "dynamic": False,
+    }
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    hf.load_state_dict(stands_for, strict=False)
+    return hf, stands_for
