@@ -79,9 +79,11 @@ def assemble(
     model_dtype: torch.dtype,
     max_running_requests: int,
     head_dim: int | None = None,
+    experts: bool = False,
 ) -> Assembly:
     """The parts a runner of `config` builds on `platform` for a model computing in `model_dtype` (`head_dim`:
-    the model's, where a backend's graphs depend on it; None where no model is known, as in `omnirun env`)."""
+    the model's, where a backend's graphs depend on it; None where no model is known, as in `omnirun env`;
+    `experts`: the model has mixture-of-experts layers)."""
     prefill, decode = choose_attention(config, platform, model_dtype)
     api = platform.graph_api()
     offer = platform.attention_offer(decode)
@@ -93,6 +95,9 @@ def assemble(
     elif offer is not None and not offer.capturable_for(head_dim):
         at = "" if head_dim is None else f" at head_dim {head_dim}"
         reason = f"the {decode} decode backend cannot be captured{at}"
+    elif experts and "fused_moe" not in platform.fused_ops():
+        # The reference picks each expert's tokens on the host: a graph cannot hold that.
+        reason = f"{platform.name} offers no fused_moe kernel, and the reference syncs with the host"
     else:
         graphs = api.name
         max_batch = min(max_running_requests, config.max_graph_batch_size or platform.max_graph_batch_size)

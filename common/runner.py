@@ -122,7 +122,14 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
         # Without the flag, the most the default allows until the pool is planned and sets it (`plan_kv_pool`).
         self.max_running_requests = config.max_running_requests or DEFAULT_RUNNING_REQUESTS[1]
-        self.assembly = assemble(config, self.platform, self.dtype, self.max_running_requests, self.shape.head_dim)
+        self.assembly = assemble(
+            config,
+            self.platform,
+            self.dtype,
+            self.max_running_requests,
+            self.shape.head_dim,
+            experts=self.shape.moe is not None,
+        )
         self.attention_choice = (self.assembly.prefill_attention, self.assembly.decode_attention)
         tp_layout(self.shape, config.tp_size, 0)  # heads and MLP split over --tp-size, or a one-line error now
         if config.max_total_tokens is not None and config.max_total_tokens < self.context_length:

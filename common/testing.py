@@ -64,12 +64,50 @@ def tiny_configs() -> dict[str, object]:
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
+def tiny_moe_configs() -> dict[str, object]:
+    """One config per supported mixture-of-experts architecture, each exercising what sets its routing apart."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    experts = dict(num_experts_per_tok=2, **{**_COMMON, "num_hidden_layers": 3})
+    return {
+        # top-2 of 8, the weights always renormalised; sliding window
+        "mixtral": MixtralConfig(
+            **experts, num_local_experts=8, sliding_window=16, architectures=["MixtralForCausalLM"]
+        ),
+        # a shared expert behind a sigmoid gate, weights not renormalised, a dense MLP on layer 1
+        "qwen2_moe": Qwen2MoeConfig(
+            **experts,
+            num_experts=6,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            architectures=["Qwen2MoeForCausalLM"],
+        ),
+        # q/k norm, renormalised top-k, experts on every second layer only
+        "qwen3_moe": Qwen3MoeConfig(
+            **experts,
+            head_dim=32,
+            num_experts=8,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            architectures=["Qwen3MoeForCausalLM"],
+        ),
+    }
+
+
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
 def tiny_hf_model(arch: str, seed: int = 1234, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A random HF model of the tiny config for `arch` (one of ARCHITECTURES), with no constant tensor in it."""
+    """A random HF model of the tiny config for `arch` (one of ARCHITECTURES or MOE_ARCHITECTURES), with no constant
+    tensor in it."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_configs()[arch], dtype=dtype).eval()
+    configs = tiny_moe_configs() if arch in MOE_ARCHITECTURES else tiny_configs()
+    model = AutoModelForCausalLM.from_config(configs[arch], dtype=dtype).eval()
     randomize_constant_parameters(model, seed)
     return model
 

@@ -146,11 +146,13 @@ def test_env_reports_the_parts_a_default_run_builds(tmp_path):
 
 
 def test_the_assembly_says_why_decode_runs_eagerly():
-    def why(platform, **flags):
+    def why(platform, experts=False, **flags):
         config = RunnerConfig(model="stand-in", **flags)
-        return assemble(config, platform, torch.float32, 8).graphs_reason
+        return assemble(config, platform, torch.float32, 8, experts=experts).graphs_reason
 
     assert why(CpuPlatform()) == "cpu has no graph API"
     assert why(GraphCpu(), disable_graph=True) == "--disable-graph"
     assert why(GraphCpu(), decode_attention_backend="eager") == "the eager decode backend cannot be captured"
     assert why(GraphCpu()) == ""  # captured: nothing to explain
+    # A mixture of experts without a platform kernel runs the reference, which picks tokens on the host.
+    assert why(GraphCpu(), experts=True) == "cpu offers no fused_moe kernel, and the reference syncs with the host"

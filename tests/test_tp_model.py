@@ -27,15 +27,23 @@ from omnirun.loader import SafetensorsCheckpoint
 from omnirun.loader.checkpoint import LazyTensor
 from omnirun.models.architecture import decoder_shape
 from omnirun.models.decoder import DecoderForCausalLM
-from omnirun.testing import ARCHITECTURES, greedy_generate, make_runner, tiny_configs, tiny_hf_model
+from omnirun.testing import (
+    ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    greedy_generate,
+    make_runner,
+    tiny_configs,
+    tiny_hf_model,
+)
 from omnirun.weights import load_weights
 
 THIS = Path(__file__).resolve()
 PROMPTS = [[(5 * i + 11) % 256 for i in range(9)], [(7 * i + 3) % 256 for i in range(23)]]
 NEW_TOKENS = 6
 # llama with attention_bias and mlp_bias: o_proj and down_proj biases, which row-parallel layers add once; llama
-# with fp8 block-wise weights, dequantized whole before each rank takes its part
-MODELS = (*ARCHITECTURES, "llama_bias", "llama_fp8")
+# with fp8 block-wise weights, dequantized whole before each rank takes its part; the mixture-of-experts models,
+# each expert's intermediate columns split over the ranks
+MODELS = (*ARCHITECTURES, *MOE_ARCHITECTURES, "llama_bias", "llama_fp8")
 DUMMY = "dummy_vocab251"  # tied (qwen3) and a vocabulary that divides by neither 2 nor 4: padded on every TP size
 
 
@@ -86,7 +94,7 @@ def _rank_main(world: int, rank: int, port: int, workdir: Path) -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tp_models")
-    for arch in ARCHITECTURES:
+    for arch in (*ARCHITECTURES, *MOE_ARCHITECTURES):
         tiny_hf_model(arch).save_pretrained(path / arch)
     config = tiny_configs()["llama"]
     config.attention_bias = config.mlp_bias = True

@@ -72,6 +72,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """A mixture of experts' output for tokens x [T, H]: each token's top_k experts by softmax(router_logits [T, E])
+    in float32 (weights divided by their sum when `renormalize`), each expert e computing
+    w2[e] @ (silu(gate) * up) with [gate | up] = w13[e] @ x (w13 [E, 2I, H], w2 [E, H, I]), summed with the weights.
+    Expert by expert in ascending order, as HF transformers' MoE blocks add them."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    for expert in experts.unique().tolist():
+        tokens, slot = torch.where(experts == expert)
+        hidden = silu_and_mul(F.linear(x[tokens], w13[expert]))
+        out.index_add_(0, tokens, F.linear(hidden, w2[expert]) * weights[tokens, slot, None])
+    return out
+
+
 # argmax of fewer rows than this reduces the vocabulary in chunks of this many tokens.
 _TWO_STAGE_MAX_ROWS = 32
 _VOCAB_CHUNK = 4096

@@ -9,6 +9,21 @@ from omnirun.errors import UnsupportedModelError
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts MLP: which layers have one and how it routes."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    renormalize: bool  # the top-k weights divided by their sum (Mixtral always; Qwen's norm_topk_prob)
+    shared_intermediate_size: int  # Qwen2-MoE's shared expert, gated by a sigmoid (0: none)
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of `intermediate_size`
+    mixtral_names: bool = (
+        False  # checkpoint names `block_sparse_moe.experts.N.w1/w3/w2` (else Qwen's `mlp.experts.N.*`)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderShape:
     """Everything the shared decoder needs from an HF config."""
 
@@ -26,9 +41,12 @@ class DecoderShape:
     mlp_bias: bool  # Llama with mlp_bias
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before rope
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    moe: MoEShape | None = None  # None: every layer has the dense MLP
 
     @classmethod
-    def from_config(cls, config: Any, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool) -> DecoderShape:
+    def from_config(
+        cls, config: Any, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool, moe: MoEShape | None = None
+    ) -> DecoderShape:
         num_heads = config.num_attention_heads
         return cls(
             vocab_size=config.vocab_size,
@@ -45,6 +63,7 @@ class DecoderShape:
             mlp_bias=mlp_bias,
             qk_norm=qk_norm,
             sliding_windows=_sliding_windows(config),
+            moe=moe,
         )
 
 
@@ -78,11 +97,58 @@ def _qwen3(config: Any) -> DecoderShape:
     return DecoderShape.from_config(config, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
 
 
+def _mixtral(config: Any) -> DecoderShape:
+    layers = config.num_hidden_layers
+    moe = MoEShape(
+        num_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.intermediate_size,
+        renormalize=True,
+        shared_intermediate_size=0,
+        sparse_layers=(True,) * layers,
+        mixtral_names=True,
+    )
+    return DecoderShape.from_config(config, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, moe=moe)
+
+
+def _qwen_moe(config: Any, shared: int) -> MoEShape:
+    """Qwen2-MoE's and Qwen3-MoE's routing: experts on every `decoder_sparse_step`-th layer outside
+    `mlp_only_layers`, as their HF decoder layers choose."""
+    only_dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    sparse = tuple(
+        i not in only_dense and config.num_experts > 0 and (i + 1) % step == 0 for i in range(config.num_hidden_layers)
+    )
+    return MoEShape(
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        bool(config.norm_topk_prob),
+        shared,
+        sparse,
+    )
+
+
+def _qwen2_moe(config: Any) -> DecoderShape:
+    moe = _qwen_moe(config, config.shared_expert_intermediate_size or 0)
+    bias = bool(getattr(config, "qkv_bias", True))
+    return DecoderShape.from_config(config, qkv_bias=bias, o_bias=False, mlp_bias=False, qk_norm=False, moe=moe)
+
+
+def _qwen3_moe(config: Any) -> DecoderShape:
+    bias = bool(getattr(config, "attention_bias", False))
+    moe = _qwen_moe(config, 0)
+    return DecoderShape.from_config(config, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True, moe=moe)
+
+
 ARCHITECTURES = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
 }
 
 

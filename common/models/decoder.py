@@ -11,6 +11,8 @@ than ranks), o_proj and down row-parallel with an all-reduce, embedding and LM h
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -21,6 +23,7 @@ from omnirun.layers.activation import SiluAndMul
 from omnirun.layers.attention import PagedAttention
 from omnirun.layers.embedding import LMHead, VocabEmbedding
 from omnirun.layers.linear import Linear, RowParallelLinear
+from omnirun.layers.moe import SparseMoE
 from omnirun.layers.norm import RMSNorm
 from omnirun.layers.ops import Ops
 from omnirun.layers.rotary import RotaryEmbedding
@@ -76,17 +79,47 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, shape: DecoderShape, *, ops: Ops, dtype: torch.dtype, tp: TensorParallel, layout: TPLayout):
+    def __init__(
+        self, hidden_size: int, columns: Slice, bias: bool, *, ops: Ops, dtype: torch.dtype, tp: TensorParallel
+    ):
         super().__init__()
-        size = layout.intermediate_size
-        columns = Slice(shape.intermediate_size, layout.tp_rank * size, size)
         gate_up = {"gate": columns, "up": columns}
-        self.gate_up_proj = Linear(shape.hidden_size, gate_up, bias=shape.mlp_bias, ops=ops, dtype=dtype)
-        self.down_proj = RowParallelLinear(columns, shape.hidden_size, bias=shape.mlp_bias, ops=ops, dtype=dtype, tp=tp)
+        self.gate_up_proj = Linear(hidden_size, gate_up, bias=bias, ops=ops, dtype=dtype)
+        self.down_proj = RowParallelLinear(columns, hidden_size, bias=bias, ops=ops, dtype=dtype, tp=tp)
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+def _rank_columns(full: int, tp: TensorParallel) -> Slice:
+    """This rank's block of `full` intermediate columns (tp_layout checked that they divide)."""
+    size = full // tp.size
+    return Slice(full, tp.rank * size, size)
+
+
+def _mlp(shape: DecoderShape, layer_id: int, *, ops: Ops, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+    """Layer `layer_id`'s MLP: dense, or a mixture of experts where the shape says so."""
+    moe = shape.moe
+    if moe is None or not moe.sparse_layers[layer_id]:
+        columns = _rank_columns(shape.intermediate_size, tp)
+        return MLP(shape.hidden_size, columns, shape.mlp_bias, ops=ops, dtype=dtype, tp=tp)
+    shared = None
+    if moe.shared_intermediate_size:
+        columns = _rank_columns(moe.shared_intermediate_size, tp)
+        shared = MLP(shape.hidden_size, columns, False, ops=ops, dtype=dtype, tp=tp)
+    columns = _rank_columns(moe.intermediate_size, tp)
+    return SparseMoE(
+        shape.hidden_size,
+        moe.num_experts,
+        moe.top_k,
+        moe.renormalize,
+        columns,
+        ops=ops,
+        dtype=dtype,
+        tp=tp,
+        shared=shared,
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -103,7 +136,7 @@ class DecoderLayer(nn.Module):
     ):
         super().__init__()
         self.self_attn = SelfAttention(shape, layer_id, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout)
-        self.mlp = MLP(shape, ops=ops, dtype=dtype, tp=tp, layout=layout)
+        self.mlp = _mlp(shape, layer_id, ops=ops, dtype=dtype, tp=tp)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
 
@@ -153,6 +186,26 @@ class DecoderModel(nn.Module):
         if residual is None:  # a model without layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
+
+
+# An expert's projection in a checkpoint: Qwen's `mlp.experts.3.gate_proj.weight`, Mixtral's
+# `block_sparse_moe.experts.3.w1.weight` (read as `mlp.`).
+_EXPERT = re.compile(r"(?P<moe>.+\.mlp)\.experts\.(?P<id>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_PROJECTIONS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
+
+
+def _expert_names(moe_path: str, experts: int, mixtral: bool) -> list[str]:
+    """The checkpoint names of every expert's projections of the MoE module at `moe_path`."""
+    prefix = moe_path.replace(".mlp", ".block_sparse_moe") if mixtral else moe_path
+    projections = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    return [f"{prefix}.experts.{e}.{p}.weight" for e in range(experts) for p in projections]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -206,6 +259,16 @@ class DecoderForCausalLM(nn.Module):
         of the full tensor they hold); None for tensors to skip; KeyError if unknown."""
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head.tied):
             return None  # recomputed at start-up / the tied head reads the embedding
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the experts' module
+        expert = _EXPERT.fullmatch(name)
+        if expert is not None:
+            try:
+                moe = self.get_submodule(expert["moe"])
+            except AttributeError as exc:
+                raise KeyError(name) from exc
+            if not isinstance(moe, SparseMoE) or not 0 <= int(expert["id"]) < moe.w13.shape[0]:
+                raise KeyError(name)
+            return moe.expert_target(int(expert["id"]), _EXPERT_PROJECTIONS[expert["proj"]])
         module_path, _, param_name = name.rpartition(".")
         parent_path, _, leaf = module_path.rpartition(".")
         if leaf in self.FUSED_PROJECTIONS:
@@ -232,10 +295,17 @@ class DecoderForCausalLM(nn.Module):
         for leaf, (fused, shard) in self.FUSED_PROJECTIONS.items():
             shards.setdefault(fused, []).append((leaf, shard))
         names = []
-        for name, _ in self.named_parameters():
+        moe = self.shape.moe
+        for name, param in self.named_parameters():
             module_path, _, param_name = name.rpartition(".")
             parent_path, _, leaf = module_path.rpartition(".")
-            if leaf in shards:
+            if param_name in ("w13", "w2"):  # stacked experts: one checkpoint tensor per expert and projection
+                if param_name == "w13":
+                    names.extend(_expert_names(module_path, param.shape[0], moe.mixtral_names))
+                continue
+            if moe is not None and moe.mixtral_names and name.endswith(".mlp.gate.weight"):
+                names.append(name.replace(".mlp.", ".block_sparse_moe."))
+            elif leaf in shards:
                 names.extend(f"{parent_path}.{hf_leaf}.{param_name}" for hf_leaf, _ in shards[leaf])
             else:
                 names.append(name)

@@ -63,11 +63,16 @@ def tp_layout(shape: DecoderShape, tp_size: int, tp_rank: int) -> TPLayout:
             f"--tp-size {tp_size} is not a multiple of the model's {kv_heads} kv heads, so they cannot be replicated "
             f"evenly: use one of {_divisors(kv_heads)} or a multiple of {kv_heads}"
         )
-    if shape.intermediate_size % tp_size:
-        raise ConfigError(
-            f"--tp-size {tp_size} does not divide the model's intermediate size {shape.intermediate_size}: use one "
-            f"of {_divisors(shape.intermediate_size)}"
-        )
+    sizes = {"intermediate size": shape.intermediate_size}
+    if shape.moe is not None:
+        sizes["experts' intermediate size"] = shape.moe.intermediate_size
+        if shape.moe.shared_intermediate_size:
+            sizes["shared expert's intermediate size"] = shape.moe.shared_intermediate_size
+    for what, size in sizes.items():
+        if size % tp_size:
+            raise ConfigError(
+                f"--tp-size {tp_size} does not divide the model's {what} {size}: use one of {_divisors(size)}"
+            )
     heads_per_rank = heads // tp_size
     return TPLayout(
         tp_rank=tp_rank,
