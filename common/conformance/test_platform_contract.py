@@ -240,6 +240,12 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
         rows = torch.tensor([4, 0, 4, 2], device=device)
         penalties = torch.tensor([[1.0, 1.5, 0.7, 1.2], [0.0, 0.4, -0.3, 1.1], [0.0, -1.0, 0.5, 0.2]], device=device)
         return rand(4, 1_000, scale=3.0), counts, prompt_seen, rows, *penalties
+    if name == "fused_moe":
+        # 7 tokens over 4 experts, top 2: expert 0 takes every token, expert 3 none.
+        logits = torch.randn(7, 4, generator=gen)
+        logits[:, 0] += 20.0
+        logits[:, 3] -= 40.0
+        return rand(7, 32), logits.to(device), rand(4, 2 * 16, 32, scale=0.2), rand(4, 32, 16, scale=0.25), 2, True
     if name == "rotary_embedding":
         table = torch.randn(64, 32, generator=gen).to(device)  # float32 [positions, head_dim]: cos | sin
         positions = torch.tensor([0, 3, 9, 17, 63], device=device)

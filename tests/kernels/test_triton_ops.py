@@ -191,6 +191,7 @@ def test_the_op_table_takes_every_kernel():
         "batch_invariant_linear",
         "sample",
         "apply_penalties",
+        "fused_moe",
     }
     table = resolve_ops(ops)
     assert table.rms_norm is rms_norm and table.rotary_embedding is rotary_embedding

@@ -35,7 +35,7 @@ def _interpreted() -> bool:
 
 # Under TRITON_INTERPRET (tests on a host without a GPU) kernels run through numpy, which has no libdevice and
 # truncates float32 -> bfloat16 casts; the helpers below take a numpy-safe path there and only there.
-_INTERPRETED = tl.constexpr(_interpreted())
+INTERPRETED = tl.constexpr(_interpreted())
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,7 +43,7 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
     """float32 `x` rounded to nearest-even in `dtype` (the rounding torch applies when it stores a result)."""
-    if _INTERPRETED and dtype == tl.bfloat16:
+    if INTERPRETED and dtype == tl.bfloat16:
         # The interpreter's cast truncates: round by hand (NaN -> torch's 0x7FC0, not a carry into the sign).
         bits = x.to(tl.uint32, bitcast=True)
         bits = tl.where(x != x, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
@@ -56,7 +56,7 @@ def round_to(x, dtype: tl.constexpr):
 @triton.jit
 def _exp(x):
     """exp as torch's GPU kernels compute it (the vendor math library, not triton's faster approximation)."""
-    if _INTERPRETED:
+    if INTERPRETED:
         y = tl.exp(x)
     else:
         y = libdevice.exp(x)
@@ -66,7 +66,7 @@ def _exp(x):
 @triton.jit
 def _rsqrt(x):
     """rsqrt as torch's GPU kernels compute it (the vendor math library's rsqrtf)."""
-    if _INTERPRETED:
+    if INTERPRETED:
         y = tl.math.rsqrt(x)
     else:
         y = libdevice.rsqrt(x)
@@ -416,6 +416,7 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
     if pdl:
         ops = {name: functools.partial(op, pdl=True) for name, op in ops.items()}
     from omnirun.kernels.triton.matmul import batch_invariant_linear  # deterministic mode's linear layers
+    from omnirun.kernels.triton.moe import fused_moe  # mixtures of experts as two grouped GEMMs, graph-capturable
     from omnirun.kernels.triton.penalties import apply_penalties  # the penalties in one pass over the logits
     from omnirun.kernels.triton.sample import sample  # sort-free sampling (bench/sample_op.py measures it)
 
@@ -424,4 +425,5 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
         "batch_invariant_linear": batch_invariant_linear,
         "sample": sample,
         "apply_penalties": apply_penalties,
+        "fused_moe": fused_moe,
     }

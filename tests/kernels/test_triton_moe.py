@@ -1,0 +1,72 @@
+"""The Triton `fused_moe` op against its torch reference (omnirun.layers.native_ops.fused_moe), and the slot sort
+it rests on. Without a GPU the kernel runs in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'omnirun[cuda]' or '[rocm]')")
+
+from omnirun.kernels.triton.moe import fused_moe, sort_slots  # noqa: E402
+from omnirun.layers import native_ops  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
+
+
+def _inputs(tokens: int, hidden: int, inter: int, experts: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, 0] += 20.0  # expert 0 takes every token
+    logits[:, -1] -= 40.0  # the last one none
+    if tokens > 3:
+        logits[3, 1] += 40.0  # expert 1 at least token 3
+    return tuple(t.to(DEVICE, dtype) for t in (x, logits, w13, w2))
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(
+    "tokens, dtype", [(1, torch.float32), (5, torch.float32), (70, torch.float32), (9, torch.bfloat16)], ids=str
+)
+def test_kernel_equals_the_reference(tokens, dtype, renormalize):
+    x, logits, w13, w2 = _inputs(tokens, hidden=32, inter=48, experts=6, dtype=dtype)
+    got = fused_moe(x, logits.float(), w13, w2, 2, renormalize)
+    expected = native_ops.fused_moe(x, logits.float(), w13, w2, 2, renormalize)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+def test_slots_are_sorted_by_expert_in_whole_blocks():
+    experts = torch.tensor([[2, 0], [0, 3], [2, 0]], device=DEVICE)  # slots 0..5; expert 1 gets none
+    sorted_slots, block_experts, total = sort_slots(experts, num_experts=4, block_m=4)
+    pad = experts.numel()
+    # expert 0: slots 1, 2, 5 (one block), expert 2: slots 0, 4 (one block), expert 3: slot 3 (one block)
+    assert total.tolist() == [12]
+    assert sorted_slots[:12].tolist() == [1, 2, 5, pad, 0, 4, pad, pad, 3, pad, pad, pad]
+    assert block_experts[:3].tolist() == [0, 2, 3]
+    assert (sorted_slots[12:] == pad).all()  # blocks past the total are padding, and the kernel skips them
+
+
+def test_a_mixture_of_experts_model_through_the_kernel_equals_hf(tmp_path):
+    """Qwen2-MoE (shared expert, a dense layer) on the CPU platform with the Triton kernel as its `fused_moe`."""
+    from omnirun.devices.cpu.platform import CpuPlatform
+    from omnirun.testing import greedy_generate, hf_greedy, make_runner, tiny_hf_model
+
+    class CpuWithTritonMoe(CpuPlatform):
+        def device_fused_ops(self):
+            return {**super().device_fused_ops(), "fused_moe": fused_moe}
+
+    hf = tiny_hf_model("qwen2_moe")
+    hf.save_pretrained(tmp_path)
+    runner = make_runner(CpuWithTritonMoe(), tmp_path)
+    try:
+        assert runner.ops.fused_moe is fused_moe
+        prompt = [(7 * i + 3) % 256 for i in range(19)]
+        assert greedy_generate(runner, [prompt], 6) == [hf_greedy(hf, prompt, 6)]
+    finally:
+        runner.close()
