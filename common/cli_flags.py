@@ -98,6 +98,12 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
         "the device compiles Triton kernels; the start-up line says how long it took)",
     )
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=None,
+        help="mixtures of experts: place whole experts on the --tp-size ranks (default: split every expert's columns)",
+    )
+    parser.add_argument(
         "--deterministic",
         action="store_true",
         default=None,
@@ -107,6 +113,13 @@ def add_runner_flags(parser: argparse.ArgumentParser) -> None:
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flags the user gave (unset ones are left to the defaults), as LLM keyword arguments."""
-    flags = ["disable_graph", "disable_overlap_schedule", "disable_prefix_caching", "warmup", "deterministic"]
+    flags = [
+        "disable_graph",
+        "disable_overlap_schedule",
+        "disable_prefix_caching",
+        "warmup",
+        "deterministic",
+        "enable_expert_parallel",
+    ]
     names = ["device", "dtype", "load_format", *flags] + [f.lstrip("-").replace("-", "_") for f, _, _ in _VALUE_FLAGS]
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

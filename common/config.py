@@ -38,6 +38,8 @@ class RunnerConfig:
     max_graph_batch_size: int | None = None
     seed: int = 0
     tp_size: int = 1
+    # Mixtures of experts: whole experts on each of the --tp-size ranks instead of every expert's columns split.
+    enable_expert_parallel: bool = False
     # Several nodes (SGLang's flags): how many, which one this is, and node 0's rendezvous address HOST:PORT.
     nnodes: int = 1
     node_rank: int = 0

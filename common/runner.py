@@ -131,7 +131,8 @@ class ModelRunner:
             experts=self.shape.moe is not None,
         )
         self.attention_choice = (self.assembly.prefill_attention, self.assembly.decode_attention)
-        tp_layout(self.shape, config.tp_size, 0)  # heads and MLP split over --tp-size, or a one-line error now
+        # heads, MLP and experts split over --tp-size, or a one-line error now
+        tp_layout(self.shape, config.tp_size, 0, config.enable_expert_parallel)
         if config.max_total_tokens is not None and config.max_total_tokens < self.context_length:
             raise KVPoolTooSmallError(
                 f"--max-total-tokens {config.max_total_tokens} cannot hold one request of the context length "
@@ -143,7 +144,7 @@ class ModelRunner:
         _open_runners.add(self)
         try:
             self.tp = self._init_distributed()
-            self.layout = tp_layout(self.shape, self.tp.size, self.tp.rank)
+            self.layout = tp_layout(self.shape, self.tp.size, self.tp.rank, self.config.enable_expert_parallel)
             self.ops = resolve_ops(self.platform.fused_ops())  # the layers' kernels and the sampler's picks
             if config.deterministic:
                 self.ops = deterministic_ops(self.ops)

@@ -75,3 +75,24 @@ def test_fused_moe_reference_equals_a_per_token_loop(renormalize):
     got = native_ops.fused_moe(x, logits, w13, w2, 2, renormalize)
     expected = _per_token(x, logits, w13, w2, 2, renormalize)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallelism_is_refused_in_one_line_where_it_cannot_split():
+    from omnirun.cli_flags import add_runner_flags, llm_kwargs
+    from omnirun.errors import ConfigError
+    from omnirun.models.architecture import decoder_shape
+    from omnirun.models.tp_layout import tp_layout
+    from omnirun.testing import tiny_configs, tiny_moe_configs
+
+    moe = decoder_shape(tiny_moe_configs()["qwen2_moe"])  # 6 experts
+    with pytest.raises(ConfigError, match="^--tp-size 4 does not divide the model's 6 experts.*use one of 1, 2, 3, 6$"):
+        tp_layout(moe, 4, 0, expert_parallel=True)
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        tp_layout(decoder_shape(tiny_configs()["llama"]), 2, 0, expert_parallel=True)
+    layout = tp_layout(moe, 2, 1, expert_parallel=True)
+    assert (layout.expert_start, layout.experts_per_rank) == (3, 3)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_runner_flags(parser)
+    assert llm_kwargs(parser.parse_args(["--enable-expert-parallel"]))["enable_expert_parallel"] is True

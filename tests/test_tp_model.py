@@ -44,6 +44,8 @@ NEW_TOKENS = 6
 # with fp8 block-wise weights, dequantized whole before each rank takes its part; the mixture-of-experts models,
 # each expert's intermediate columns split over the ranks
 MODELS = (*ARCHITECTURES, *MOE_ARCHITECTURES, "llama_bias", "llama_fp8")
+# the same checkpoints with expert parallelism: whole experts per rank (8 experts: TP 2 and 4 both divide them)
+EXPERT_PARALLEL = ("mixtral_ep", "qwen3_moe_ep")
 DUMMY = "dummy_vocab251"  # tied (qwen3) and a vocabulary that divides by neither 2 nor 4: padded on every TP size
 
 
@@ -80,15 +82,24 @@ def _rank_main(world: int, rank: int, port: int, workdir: Path) -> None:
     spec = plan_world(world, local_rank=rank, dist_init_addr=f"127.0.0.1:{port}", environ={})
     init_distributed(platform, spec, timeout_s=60, device_index=0)
     seen = {}
-    for name in (*MODELS, DUMMY):
-        flags = {"load_format": "dummy"} if name == DUMMY else {}
-        runner = make_runner(platform, workdir / name, tp_size=world, **flags)
+    for name in (*MODELS, DUMMY, *EXPERT_PARALLEL):
+        path, flags = _model(workdir, name)
+        runner = make_runner(platform, path, tp_size=world, **flags)
         seen[name] = _observe(runner, weights=name == DUMMY)
         runner.close()
     torch.save(seen, workdir / f"tp{world}_rank{rank}.pt")
     dist.destroy_process_group()
     sys.stdout.write(f"RESULT rank {rank} done\n")
     sys.stdout.flush()
+
+
+def _model(workdir: Path, name: str) -> tuple[Path, dict]:
+    """The checkpoint directory of a test model and the flags it runs with."""
+    if name == DUMMY:
+        return workdir / name, {"load_format": "dummy"}
+    if name in EXPERT_PARALLEL:
+        return workdir / name.removesuffix("_ep"), {"enable_expert_parallel": True}
+    return workdir / name, {}
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +137,8 @@ def tp1(workdir) -> dict:
     gc.freeze()  # as in the ranks: each runner's gc.collect() skips what was there before
     try:
         for name in (*MODELS, DUMMY):
-            flags = {"load_format": "dummy"} if name == DUMMY else {}
-            runner = make_runner(platform, workdir / name, **flags)
+            path, flags = _model(workdir, name)
+            runner = make_runner(platform, path, **flags)
             seen[name] = _observe(runner, weights=name == DUMMY)
             runner.close()
     finally:
@@ -180,6 +191,18 @@ def test_last_token_logits_at_tp_n_within_1e_4_of_tp1(tp_n, tp1, name):
     for seen in ranks:
         assert seen[name]["logits"].shape == tp1[name]["logits"].shape
         torch.testing.assert_close(seen[name]["logits"], tp1[name]["logits"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", EXPERT_PARALLEL)
+def test_expert_parallel_at_tp_n_equals_tp1(tp_n, tp1, name):
+    """Whole experts per rank, each rank computing only the slots routed to its own: the TP=1 tokens and logits."""
+    world, ranks = tp_n
+    single = tp1[name.removesuffix("_ep")]
+    for seen in ranks:
+        assert seen[name]["tokens"] == single["tokens"], f"tp{world}"
+        torch.testing.assert_close(seen[name]["logits"], single["logits"], atol=1e-4, rtol=0)
+    # each rank holds its share of the experts: fewer weight bytes than the whole model
+    assert ranks[0][name]["weight_bytes"] < single["weight_bytes"]
 
 
 def test_dummy_weights_at_tp_n_are_the_tp1_dummy_weights_split(tp_n, tp1):

@@ -79,11 +79,13 @@ def fused_moe(
     w2: torch.Tensor,
     top_k: int,
     renormalize: bool,
+    expert_start: int = 0,
 ) -> torch.Tensor:
     """A mixture of experts' output for tokens x [T, H]: each token's top_k experts by softmax(router_logits [T, E])
     in float32 (weights divided by their sum when `renormalize`), each expert e computing
-    w2[e] @ (silu(gate) * up) with [gate | up] = w13[e] @ x (w13 [E, 2I, H], w2 [E, H, I]), summed with the weights.
-    Expert by expert in ascending order, as HF transformers' MoE blocks add them."""
+    w2[e] @ (silu(gate) * up) with [gate | up] = w13[e] @ x, summed with the weights. w13 [n, 2I, H] and w2 [n, H, I]
+    hold experts expert_start .. expert_start + n - 1 (all E, or one rank's under expert parallelism): the others
+    add nothing here. Expert by expert in ascending order, as HF transformers' MoE blocks add them."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -91,9 +93,11 @@ def fused_moe(
     weights = weights.to(x.dtype)
     out = torch.zeros_like(x)
     for expert in experts.unique().tolist():
+        if not expert_start <= expert < expert_start + w13.shape[0]:
+            continue
         tokens, slot = torch.where(experts == expert)
-        hidden = silu_and_mul(F.linear(x[tokens], w13[expert]))
-        out.index_add_(0, tokens, F.linear(hidden, w2[expert]) * weights[tokens, slot, None])
+        hidden = silu_and_mul(F.linear(x[tokens], w13[expert - expert_start]))
+        out.index_add_(0, tokens, F.linear(hidden, w2[expert - expert_start]) * weights[tokens, slot, None])
     return out
 
 

@@ -21,8 +21,9 @@ class Ops:
     add_rms_norm: Callable[..., Any] = native_ops.add_rms_norm
     silu_and_mul: Callable[..., Any] = native_ops.silu_and_mul
     rotary_embedding: Callable[..., Any] = native_ops.rotary_embedding
-    # A mixture of experts: (x [T, H], router logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize)
-    # -> [T, H], the routed experts' outputs summed with their weights.
+    # A mixture of experts: (x [T, H], router logits [T, E], w13 [n, 2I, H], w2 [n, H, I], top_k, renormalize,
+    # expert_start) -> [T, H], the routed experts' outputs summed with their weights (w13/w2 hold experts
+    # expert_start.. : all of them, or one rank's under expert parallelism).
     fused_moe: Callable[..., Any] = native_ops.fused_moe
     argmax: Callable[..., Any] = native_ops.argmax  # greedy sampling's pick (the sampler's, not a layer's)
     # A sampled row's pick: (logits [B, V], SamplingBatch) -> int64 [B], filtered by temperature, top-k, top-p and

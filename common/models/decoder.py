@@ -98,8 +98,11 @@ def _rank_columns(full: int, tp: TensorParallel) -> Slice:
     return Slice(full, tp.rank * size, size)
 
 
-def _mlp(shape: DecoderShape, layer_id: int, *, ops: Ops, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
-    """Layer `layer_id`'s MLP: dense, or a mixture of experts where the shape says so."""
+def _mlp(
+    shape: DecoderShape, layer_id: int, *, ops: Ops, dtype: torch.dtype, tp: TensorParallel, layout: TPLayout
+) -> nn.Module:
+    """Layer `layer_id`'s MLP: dense, or a mixture of experts where the shape says so (each expert's columns split
+    over the ranks, or with expert parallelism this rank's experts whole)."""
     moe = shape.moe
     if moe is None or not moe.sparse_layers[layer_id]:
         columns = _rank_columns(shape.intermediate_size, tp)
@@ -108,10 +111,15 @@ def _mlp(shape: DecoderShape, layer_id: int, *, ops: Ops, dtype: torch.dtype, tp
     if moe.shared_intermediate_size:
         columns = _rank_columns(moe.shared_intermediate_size, tp)
         shared = MLP(shape.hidden_size, columns, False, ops=ops, dtype=dtype, tp=tp)
-    columns = _rank_columns(moe.intermediate_size, tp)
+    if layout.expert_parallel:
+        columns = Slice.whole(moe.intermediate_size)
+        experts = range(layout.expert_start, layout.expert_start + layout.experts_per_rank)
+    else:
+        columns, experts = _rank_columns(moe.intermediate_size, tp), range(moe.num_experts)
     return SparseMoE(
         shape.hidden_size,
         moe.num_experts,
+        experts,
         moe.top_k,
         moe.renormalize,
         columns,
@@ -136,7 +144,7 @@ class DecoderLayer(nn.Module):
     ):
         super().__init__()
         self.self_attn = SelfAttention(shape, layer_id, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout)
-        self.mlp = _mlp(shape, layer_id, ops=ops, dtype=dtype, tp=tp)
+        self.mlp = _mlp(shape, layer_id, ops=ops, dtype=dtype, tp=tp, layout=layout)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
 
@@ -201,11 +209,11 @@ _EXPERT_PROJECTIONS = {
 }
 
 
-def _expert_names(moe_path: str, experts: int, mixtral: bool) -> list[str]:
-    """The checkpoint names of every expert's projections of the MoE module at `moe_path`."""
+def _expert_names(moe_path: str, experts: range, mixtral: bool) -> list[str]:
+    """The checkpoint names of the projections of `experts` (global ids) of the MoE module at `moe_path`."""
     prefix = moe_path.replace(".mlp", ".block_sparse_moe") if mixtral else moe_path
     projections = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-    return [f"{prefix}.experts.{e}.{p}.weight" for e in range(experts) for p in projections]
+    return [f"{prefix}.experts.{e}.{p}.weight" for e in experts for p in projections]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -266,9 +274,9 @@ class DecoderForCausalLM(nn.Module):
                 moe = self.get_submodule(expert["moe"])
             except AttributeError as exc:
                 raise KeyError(name) from exc
-            if not isinstance(moe, SparseMoE) or not 0 <= int(expert["id"]) < moe.w13.shape[0]:
+            if not isinstance(moe, SparseMoE) or not 0 <= int(expert["id"]) < moe.num_experts:
                 raise KeyError(name)
-            return moe.expert_target(int(expert["id"]), _EXPERT_PROJECTIONS[expert["proj"]])
+            return moe.expert_target(int(expert["id"]), _EXPERT_PROJECTIONS[expert["proj"]])  # None: another rank's
         module_path, _, param_name = name.rpartition(".")
         parent_path, _, leaf = module_path.rpartition(".")
         if leaf in self.FUSED_PROJECTIONS:
@@ -296,12 +304,12 @@ class DecoderForCausalLM(nn.Module):
             shards.setdefault(fused, []).append((leaf, shard))
         names = []
         moe = self.shape.moe
-        for name, param in self.named_parameters():
+        for name, _ in self.named_parameters():
             module_path, _, param_name = name.rpartition(".")
             parent_path, _, leaf = module_path.rpartition(".")
             if param_name in ("w13", "w2"):  # stacked experts: one checkpoint tensor per expert and projection
                 if param_name == "w13":
-                    names.extend(_expert_names(module_path, param.shape[0], moe.mixtral_names))
+                    names.extend(_expert_names(module_path, self.get_submodule(module_path).experts, moe.mixtral_names))
                 continue
             if moe is not None and moe.mixtral_names and name.endswith(".mlp.gate.weight"):
                 names.append(name.replace(".mlp.", ".block_sparse_moe."))

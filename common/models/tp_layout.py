@@ -29,6 +29,11 @@ class TPLayout:
     intermediate_size: int  # MLP columns on this rank
     vocab_per_rank: int  # rows of the embedding / LM head on each rank (padding included)
     vocab_size: int  # the model's real vocabulary
+    # Mixtures of experts: with expert parallelism this rank holds experts [expert_start, expert_start +
+    # experts_per_rank) whole; without it every expert, each split by columns.
+    expert_parallel: bool = False
+    expert_start: int = 0
+    experts_per_rank: int = 0
 
     @property
     def vocab_start(self) -> int:
@@ -44,8 +49,9 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def tp_layout(shape: DecoderShape, tp_size: int, tp_rank: int) -> TPLayout:
-    """The split of `shape` for rank `tp_rank` of `tp_size`; a ConfigError naming the fix when it cannot split."""
+def tp_layout(shape: DecoderShape, tp_size: int, tp_rank: int, expert_parallel: bool = False) -> TPLayout:
+    """The split of `shape` for rank `tp_rank` of `tp_size` (`expert_parallel`: whole experts per rank); a
+    ConfigError naming the fix when it cannot split."""
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ConfigError(f"tensor-parallel rank {tp_rank} of {tp_size} is out of range")
     heads, kv_heads = shape.num_heads, shape.num_kv_heads
@@ -63,11 +69,23 @@ def tp_layout(shape: DecoderShape, tp_size: int, tp_rank: int) -> TPLayout:
             f"--tp-size {tp_size} is not a multiple of the model's {kv_heads} kv heads, so they cannot be replicated "
             f"evenly: use one of {_divisors(kv_heads)} or a multiple of {kv_heads}"
         )
-    sizes = {"intermediate size": shape.intermediate_size}
-    if shape.moe is not None:
-        sizes["experts' intermediate size"] = shape.moe.intermediate_size
-        if shape.moe.shared_intermediate_size:
-            sizes["shared expert's intermediate size"] = shape.moe.shared_intermediate_size
+    moe = shape.moe
+    experts = moe.num_experts if moe is not None else 0
+    if expert_parallel and not experts:
+        raise ConfigError("--enable-expert-parallel needs a mixture-of-experts model: drop the flag for this one")
+    if expert_parallel and experts % tp_size:
+        raise ConfigError(
+            f"--tp-size {tp_size} does not divide the model's {experts} experts, as expert parallelism needs: use one "
+            f"of {_divisors(experts)}"
+        )
+    # The column splits: the dense MLP's where a layer has one, each expert's unless experts stay whole.
+    sizes = {}
+    if moe is None or not all(moe.sparse_layers):
+        sizes["intermediate size"] = shape.intermediate_size
+    if moe is not None and not expert_parallel:
+        sizes["experts' intermediate size"] = moe.intermediate_size
+    if moe is not None and moe.shared_intermediate_size:
+        sizes["shared expert's intermediate size"] = moe.shared_intermediate_size
     for what, size in sizes.items():
         if size % tp_size:
             raise ConfigError(
@@ -84,4 +102,7 @@ def tp_layout(shape: DecoderShape, tp_size: int, tp_rank: int) -> TPLayout:
         intermediate_size=shape.intermediate_size // tp_size,
         vocab_per_rank=-(-shape.vocab_size // tp_size),
         vocab_size=shape.vocab_size,
+        expert_parallel=expert_parallel,
+        expert_start=tp_rank * experts // tp_size if expert_parallel else 0,
+        experts_per_rank=experts // tp_size if expert_parallel else experts,
     )

@@ -41,6 +41,19 @@ def test_kernel_equals_the_reference(tokens, dtype, renormalize):
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
 
 
+@pytest.mark.parametrize("start", [0, 3])
+def test_one_rank_s_experts_under_expert_parallelism(start):
+    """Experts start..start+2 of 6 on this rank: the kernel adds what the reference adds for them, and the two
+    ranks' parts sum to the whole mixture."""
+    x, logits, w13, w2 = _inputs(11, hidden=32, inter=16, experts=6, dtype=torch.float32)
+    part = fused_moe(x, logits, w13[start : start + 3], w2[start : start + 3], 2, True, start)
+    expected = native_ops.fused_moe(x, logits, w13[start : start + 3], w2[start : start + 3], 2, True, start)
+    torch.testing.assert_close(part, expected, atol=1e-5, rtol=1e-5)
+    other = 3 - start
+    whole = part + fused_moe(x, logits, w13[other : other + 3], w2[other : other + 3], 2, True, other)
+    torch.testing.assert_close(whole, native_ops.fused_moe(x, logits, w13, w2, 2, True), atol=1e-5, rtol=1e-5)
+
+
 def test_slots_are_sorted_by_expert_in_whole_blocks():
     experts = torch.tensor([[2, 0], [0, 3], [2, 0]], device=DEVICE)  # slots 0..5; expert 1 gets none
     sorted_slots, block_experts, total = sort_slots(experts, num_experts=4, block_m=4)

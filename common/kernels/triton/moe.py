@@ -141,13 +141,16 @@ def fused_moe(
     w2: torch.Tensor,
     top_k: int,
     renormalize: bool,
+    expert_start: int = 0,
 ) -> torch.Tensor:
     """See omnirun.layers.native_ops.fused_moe (the reference): the same mixture, summed per token over its top_k
-    choices (in float32, rounded once) rather than expert by expert."""
+    choices (in float32, rounded once) rather than expert by expert. Slots routed to another rank's experts (expert
+    parallelism) weigh nothing here (they are computed by this rank's first expert and multiplied by 0: simple,
+    not yet cheap)."""
     from omnirun.layers import native_ops
 
     if x.dtype not in _KERNEL_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or x.dim() != 2:
-        return native_ops.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+        return native_ops.fused_moe(x, router_logits, w13, w2, top_k, renormalize, expert_start)
     tokens = x.shape[0]
     if tokens == 0:
         return torch.zeros_like(x)
@@ -155,6 +158,11 @@ def fused_moe(
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    local = w13.shape[0]
+    if local != router_logits.shape[-1]:  # expert parallelism: this rank holds experts expert_start.. only
+        experts = experts - expert_start
+        mine = (experts >= 0) & (experts < local)
+        weights, experts = torch.where(mine, weights, 0.0), torch.where(mine, experts, 0)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     slots = tokens * top_k
     block_m = 16 if slots <= 32 * w13.shape[0] else 64  # few rows per expert while decoding
