@@ -72,6 +72,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top_k experts by softmax(router_logits) in float32, as HF's routers choose them: (float32
+    weights, divided by their sum when `renormalize`; int64 expert ids), both [T, top_k]."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
 def fused_moe(
     x: torch.Tensor,
     router_logits: torch.Tensor,
@@ -86,10 +96,7 @@ def fused_moe(
     w2[e] @ (silu(gate) * up) with [gate | up] = w13[e] @ x, summed with the weights. w13 [n, 2I, H] and w2 [n, H, I]
     hold experts expert_start .. expert_start + n - 1 (all E, or one rank's under expert parallelism): the others
     add nothing here. Expert by expert in ascending order, as HF transformers' MoE blocks add them."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, experts = route(router_logits, top_k, renormalize)
     weights = weights.to(x.dtype)
     out = torch.zeros_like(x)
     for expert in experts.unique().tolist():

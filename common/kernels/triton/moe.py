@@ -154,10 +154,7 @@ def fused_moe(
     tokens = x.shape[0]
     if tokens == 0:
         return torch.zeros_like(x)
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, experts = native_ops.route(router_logits, top_k, renormalize)
     local = w13.shape[0]
     if local != router_logits.shape[-1]:  # expert parallelism: this rank holds experts expert_start.. only
         experts = experts - expert_start
