@@ -74,7 +74,7 @@ def run_bench(
     kv_bytes_per_token = PagedKVCache.bytes_per_token(
         shape.num_layers, shape.num_kv_heads, shape.head_dim, runner.kv_cache_dtype
     )
-    step_bytes = runner.weight_bytes_per_step() + kv_tokens * kv_bytes_per_token
+    step_bytes = runner.weight_bytes_per_step(min(batch_size, num_prompts)) + kv_tokens * kv_bytes_per_token
     # Seconds of silence otherwise, after the progress bar has finished.
     _status("measuring the memory bandwidth (large copies and sums: seconds)")
     bandwidth = measure_bandwidth(runner.platform, runner.device)
@@ -96,7 +96,7 @@ def run_bench(
         "tpot_ms_mean": 1e3 * statistics.fmean(tpots) if tpots else float("nan"),
         "decode_step_ms_median": 1e3 * step_s,
         "decode_step_bytes": step_bytes,
-        "weight_bytes_per_step": runner.weight_bytes_per_step(),
+        "weight_bytes_per_step": runner.weight_bytes_per_step(min(batch_size, num_prompts)),
         **bandwidth.as_dict(),
         "roofline_fraction_copy_bw": step_bytes / step_s / bandwidth.copy_bytes_per_s,
         "roofline_fraction_read_bw": step_bytes / step_s / bandwidth.read_bytes_per_s,

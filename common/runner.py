@@ -38,6 +38,7 @@ from omnirun.distributed.weights_group import (
 )
 from omnirun.errors import DistributedInitError, KVPoolTooSmallError, ModelLoadError, WeightUpdateError
 from omnirun.graphs import DecodeGraphRunner
+from omnirun.layers.moe import SparseMoE
 from omnirun.layers.ops import deterministic_ops, resolve_ops
 from omnirun.loader import (
     SafetensorsCheckpoint,
@@ -477,14 +478,21 @@ class ModelRunner:
         weight = read_weight(self.model, name, self.tp.comm)
         return weight if truncate_size is None else weight[:truncate_size]
 
-    def weight_bytes_per_step(self) -> int:
-        """Weight bytes one decode step must read on this rank (its share under tensor parallelism): every parameter,
-        except an untied embedding table (a lookup reads only the batch's rows; tied, the same table is read whole
-        as the LM head)."""
+    def weight_bytes_per_step(self, batch_size: int = 1) -> int:
+        """Weight bytes one decode step of `batch_size` requests must read on this rank (its share under tensor
+        parallelism): every parameter, except an untied embedding table (a lookup reads only the batch's rows;
+        tied, the same table is read whole as the LM head), and of a mixture of experts only the experts the batch
+        is expected to reach: with top_k of E experts per token, routed evenly, each expert is missed by all
+        batch_size tokens with probability (1 - top_k / E) ** batch_size."""
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if not self.model.lm_head.tied:
             embedding = self.model.model.embed_tokens.weight
             total -= embedding.numel() * embedding.element_size()
+        for module in self.model.modules():
+            if isinstance(module, SparseMoE):
+                experts = sum(p.numel() * p.element_size() for p in (module.w13, module.w2))
+                missed = (1 - module.top_k / module.num_experts) ** batch_size
+                total -= round(experts * missed)
         return total
 
     def close(self) -> None:

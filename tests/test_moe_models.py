@@ -96,3 +96,19 @@ def test_expert_parallelism_is_refused_in_one_line_where_it_cannot_split():
     parser = argparse.ArgumentParser()
     add_runner_flags(parser)
     assert llm_kwargs(parser.parse_args(["--enable-expert-parallel"]))["enable_expert_parallel"] is True
+
+
+def test_a_decode_step_reads_the_experts_its_batch_is_expected_to_reach(checkpoint):
+    """Top-2 of E experts: at batch 1 a step reads 2/E of the experts' bytes, more as the batch grows, all of them
+    only in the limit; the rest of the model whole at any batch."""
+    _, _, path = checkpoint
+    runner = make_runner(select_platform("cpu"), path)
+    try:
+        experts = [m for m in runner.model.modules() if type(m).__name__ == "SparseMoE"]
+        expert_bytes = sum((m.w13.numel() + m.w2.numel()) * 4 for m in experts)
+        whole = runner.weight_bytes_per_step(10**6)
+        top_k, count = experts[0].top_k, experts[0].num_experts
+        assert whole - runner.weight_bytes_per_step(1) == pytest.approx(expert_bytes * (1 - top_k / count), abs=8)
+        assert runner.weight_bytes_per_step(1) < runner.weight_bytes_per_step(8) < whole
+    finally:
+        runner.close()
