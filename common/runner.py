@@ -540,7 +540,22 @@ class ModelRunner:
             "graph_runner": type(self.graph_runner).__name__ if self.graph_runner else "eager",
             "deterministic": self.config.deterministic,
             "weights": self.weights_format(),
+            "experts": self.experts_format(),
         }
+
+    def experts_format(self) -> str | None:
+        """A mixture of experts' routing and how this rank holds the experts (None: a dense model)."""
+        moe = self.shape.moe
+        if moe is None:
+            return None
+        held = (
+            f"experts {self.layout.expert_start}-{self.layout.expert_start + self.layout.experts_per_rank - 1} whole"
+            if self.layout.expert_parallel
+            else f"each expert's columns split {self.tp.size} ways"
+            if self.tp.size > 1
+            else "every expert whole"
+        )
+        return f"top {moe.top_k} of {moe.num_experts}, {held}, fused_moe {_op_origin(self.ops.fused_moe)}"
 
     def weights_format(self) -> str:
         """How the checkpoint's weights are held: the model dtype, or a quantized format dequantized at load."""
@@ -606,3 +621,9 @@ class ModelRunner:
                 f"no weights update group named {group_name!r} (joined: {known}): call init_weights_update_group first"
             )
         return groups[group_name]
+
+
+def _op_origin(op: Any) -> str:
+    """Where an op of the table comes from: the torch reference, or the module of a platform's kernel."""
+    module = getattr(op, "__module__", None) or "a platform kernel"
+    return "reference" if module == "omnirun.layers.native_ops" else module

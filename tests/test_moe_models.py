@@ -41,6 +41,8 @@ def test_prefill_logits_and_greedy_tokens_equal_hf(checkpoint, page_size):
         prompts = [_prompt(1), _prompt(2, 7)]
         assert greedy_generate(runner, prompts, 16) == [hf_greedy(hf, p, 16) for p in prompts]
         assert runner.describe()["graph_runner"] == "eager"
+        experts = {"mixtral": 8, "qwen2_moe": 6, "qwen3_moe": 8}[arch]
+        assert runner.describe()["experts"] == f"top 2 of {experts}, every expert whole, fused_moe reference"
     finally:
         runner.close()
 

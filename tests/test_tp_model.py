@@ -64,6 +64,7 @@ def _observe(runner, *, weights: bool = False) -> dict:
         "tokens": greedy_generate(runner, PROMPTS, NEW_TOKENS),
         "logits": _last_logits(runner, PROMPTS),
         "weight_bytes": runner.weight_bytes_per_step(),
+        "experts": runner.describe()["experts"],
     }
     if weights:
         seen["weights"] = {name: runner.get_weights_by_name(name) for name in runner.model.checkpoint_names()}
@@ -203,6 +204,10 @@ def test_expert_parallel_at_tp_n_equals_tp1(tp_n, tp1, name):
         torch.testing.assert_close(seen[name]["logits"], single["logits"], atol=1e-4, rtol=0)
     # each rank holds its share of the experts: fewer weight bytes than the whole model
     assert ranks[0][name]["weight_bytes"] < single["weight_bytes"]
+    share = 8 // world
+    for rank, seen in enumerate(ranks):
+        held = f"experts {rank * share}-{rank * share + share - 1} whole"
+        assert seen[name]["experts"] == f"top 2 of 8, {held}, fused_moe reference"
 
 
 def test_dummy_weights_at_tp_n_are_the_tp1_dummy_weights_split(tp_n, tp1):

@@ -28,6 +28,7 @@ def summary_line(served_model_name: str, model: str, description: dict[str, Any]
         "device": d["device"],
         "dtype": d["dtype"],
         "weights": d.get("weights") if d.get("weights") != d["dtype"] else None,  # a quantized checkpoint's format
+        "experts": d.get("experts"),  # a mixture of experts' routing and placement
         "kv_cache_dtype": d["kv_cache_dtype"],
         "kv_tokens": d["kv_tokens"],
         "context_length": d["context_length"],
