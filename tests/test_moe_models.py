@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,3 +116,20 @@ def test_a_decode_step_reads_the_experts_its_batch_is_expected_to_reach(checkpoi
         assert runner.weight_bytes_per_step(1) < runner.weight_bytes_per_step(8) < whole
     finally:
         runner.close()
+
+
+def test_the_graph_reserve_holds_every_slot_of_a_mixture_of_experts():
+    """Mixtral-8x7B: each token's 2 expert slots hold twice the gate|up activations its intermediate size (14336)
+    alone would: the reserve for captured graphs must count the slots."""
+    from types import SimpleNamespace
+
+    from omnirun.graphs import DecodeGraphRunner
+    from omnirun.loader.presets import PRESETS
+    from omnirun.models.architecture import decoder_shape
+
+    shape = decoder_shape(PRESETS["mixtral-8x7b"].build())
+    one_slot = 256 * 4 * shape.moe.intermediate_size * 2  # gate|up and activation, bf16, batch 256
+    dense_runner = SimpleNamespace(shape=dataclasses.replace(shape, moe=None), dtype=torch.bfloat16)
+    dense = DecodeGraphRunner(dense_runner, None, 256).reserved_bytes()
+    experts = DecodeGraphRunner(SimpleNamespace(shape=shape, dtype=torch.bfloat16), None, 256).reserved_bytes()
+    assert experts - dense >= 2 * (shape.moe.top_k - 1) * one_slot  # the reserve's 2x margin over one more slot

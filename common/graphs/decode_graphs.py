@@ -48,9 +48,15 @@ class DecodeGraphRunner:
         taken out of the KV budget before the pool is sized. An estimate with a 2x margin, plus workspaces."""
         shape, bs = self.runner.shape, self.max_batch_size
         item = self.runner.dtype.itemsize
+        # A mixture of experts holds each token's top_k slots: gate|up and activation per slot, a float32 output
+        # per slot, and the routing's small tensors.
+        moe = shape.moe
+        mlp = 4 * shape.intermediate_size * item
+        if moe is not None:
+            mlp = max(mlp, moe.top_k * (4 * moe.intermediate_size * item + 4 * shape.hidden_size + 64))
         per_token = (
             shape.vocab_size * (item + 4)  # logits, and a float32 copy the sampler may make
-            + 4 * shape.intermediate_size * item  # gate|up and its activation
+            + mlp  # the MLP's gate|up and its activation (the experts' slots)
             + 12 * shape.hidden_size * item  # hidden, residual, norms, attention in/out
             + 3 * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * item  # qkv, rotated q/k
             + shape.num_heads * 32 * (shape.head_dim + 1) * 4  # split-K partials of a decode kernel
