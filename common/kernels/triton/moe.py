@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from omnirun.kernels.triton.ops import INTERPRETED
+from omnirun.kernels.triton.modes import INTERPRETED
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -13,7 +13,6 @@ dtypes the kernels do not handle go through the references.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,20 +21,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from omnirun.kernels.triton.modes import BIT_EXACT_LAUNCH, INTERPRETED
 from omnirun.kernels.triton.pdl import launch_options, wait_for_previous_kernel
 from omnirun.layers import native_ops
-
-
-def _interpreted() -> bool:
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the variable directly
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
-# Under TRITON_INTERPRET (tests on a host without a GPU) kernels run through numpy, which has no libdevice and
-# truncates float32 -> bfloat16 casts; the helpers below take a numpy-safe path there and only there.
-INTERPRETED = tl.constexpr(_interpreted())
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,11 +59,6 @@ def _rsqrt(x):
     else:
         y = libdevice.rsqrt(x)
     return y
-
-
-# Torch runs the reference as separate kernels, each rounding its result; letting the compiler fuse a multiply
-# and an add into one FMA would skip a rounding and break bit-exactness. Every launch passes this.
-BIT_EXACT_LAUNCH = {"enable_fp_fusion": False}
 
 
 def _num_warps(elements: int) -> int:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omnirun.kernels.triton.ops import BIT_EXACT_LAUNCH
+from omnirun.kernels.triton.modes import BIT_EXACT_LAUNCH
 
 _BLOCK = 4096
 
