@@ -79,9 +79,9 @@ class _Config:
             "a per-tensor fp8 weight_scale holds one value",
         ),
         (
-            {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {}}},
+            {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {}}},
             [],
-            "compressed-tensors format int-quantized is not supported yet",
+            "compressed-tensors format nvfp4-pack-quantized is not supported yet",
         ),
         (
             {

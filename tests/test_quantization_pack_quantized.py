@@ -1,6 +1,7 @@
-"""compressed-tensors pack-quantized checkpoints (llm-compressor's W4A16 and W8A16), written by a helper from
-compressed-tensors' packing and loaded by dequantizing once at load: every loaded weight equals what the checkpoint
-stands for, bit for bit, and greedy tokens equal HF transformers on those weights (float32)."""
+"""compressed-tensors integer checkpoints, pack-quantized (llm-compressor's W4A16 and W8A16) and int-quantized (its
+W8A8), written by a helper from compressed-tensors' layouts and loaded by dequantizing once at load: every loaded
+weight equals what the checkpoint stands for, bit for bit, and greedy tokens equal HF transformers on those weights
+(float32)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,21 @@ from quantized_checkpoints import _pack_signed, assert_loads_as, write_pack_quan
 
 
 @pytest.mark.parametrize(
-    "arch, bits, group_size, symmetric, actorder, described",
+    "arch, bits, group_size, symmetric, actorder, packed, described",
     [
-        ("llama", 4, 16, True, False, "compressed-tensors int4 group 16"),
-        ("qwen2", 4, 32, False, False, "compressed-tensors int4 group 32 asymmetric"),
-        ("qwen3", 4, 16, True, True, "compressed-tensors int4 group 16"),
-        ("mistral", 8, None, True, False, "compressed-tensors int8 per channel"),
+        ("llama", 4, 16, True, False, True, "compressed-tensors int4 group 16"),
+        ("qwen2", 4, 32, False, False, True, "compressed-tensors int4 group 32 asymmetric"),
+        ("qwen3", 4, 16, True, True, True, "compressed-tensors int4 group 16"),
+        ("mistral", 8, None, True, False, True, "compressed-tensors int8 per channel"),
+        ("llama", 8, None, True, False, False, "compressed-tensors int8 per channel (int-quantized)"),
+        ("qwen2", 8, None, False, False, False, "compressed-tensors int8 per channel asymmetric (int-quantized)"),
     ],
-    ids=["w4a16", "w4a16-asymmetric", "w4a16-actorder", "w8a16-channel"],
+    ids=["w4a16", "w4a16-asymmetric", "w4a16-actorder", "w8a16-channel", "w8a8", "w8a8-asymmetric"],
 )
 def test_weights_and_greedy_tokens_equal_hf_on_the_dequantized_checkpoint(
-    tmp_path, arch, bits, group_size, symmetric, actorder, described
+    tmp_path, arch, bits, group_size, symmetric, actorder, packed, described
 ):
-    hf, stands_for = write_pack_quantized_checkpoint(tmp_path, arch, bits, group_size, symmetric, actorder)
+    hf, stands_for = write_pack_quantized_checkpoint(tmp_path, arch, bits, group_size, symmetric, actorder, packed)
     assert_loads_as(tmp_path, hf, stands_for, described)
 
 
@@ -93,7 +96,7 @@ def _config(bits, group_size, symmetric, **weights):
                 ("a.weight_scale", torch.ones(3, 2)),
                 ("a.weight_shape", torch.tensor([2, 16])),
             ],
-            "pack-quantized parts disagree",
+            "compressed-tensors int parts disagree",
         ),
     ],
 )
@@ -101,3 +104,20 @@ def test_bad_pack_quantized_checkpoints_are_refused_in_one_line(config, stream, 
     with pytest.raises(ModelLoadError, match="^[^\n]*$") as caught:
         list(dequantized(iter(stream), quantized_format(config), torch.float32))
     assert message in str(caught.value)
+
+
+def test_an_int_quantized_weight_with_one_scale_and_zero_point_for_the_tensor():
+    weights = {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": False}
+    fmt = quantized_format(
+        _Config(
+            {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "config_groups": {"g": {"weights": weights}},
+            }
+        )
+    )
+    q = torch.tensor([[-3, 0, 7], [127, -128, 1]], dtype=torch.int8)
+    got = fmt.dequantize([q, torch.tensor([0.5]), torch.tensor([2], dtype=torch.int8)], torch.float32)
+    assert got.tolist() == ((q.float() - 2) * 0.5).tolist()
+    assert fmt.layer_of("a.weight", torch.int8) == "a" and fmt.layer_of("lm_head.weight", torch.bfloat16) is None

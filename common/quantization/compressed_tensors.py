@@ -14,7 +14,7 @@ from omnirun.errors import ModelLoadError
 from omnirun.quantization.fp8 import STRATEGIES, Fp8Format, block_shape
 from omnirun.quantization.pack_quantized import PackedIntFormat
 
-FORMATS = ("float-quantized", "pack-quantized")
+FORMATS = ("float-quantized", "pack-quantized", "int-quantized")
 
 
 def from_config(quantization: dict[str, Any]) -> Fp8Format | PackedIntFormat:
@@ -26,22 +26,22 @@ def from_config(quantization: dict[str, Any]) -> Fp8Format | PackedIntFormat:
     if len(formats) != 1 or not formats <= set(FORMATS):
         raise ModelLoadError(
             f"compressed-tensors format {', '.join(sorted(map(str, formats)))} is not supported yet: omnirun loads "
-            f"{', '.join(FORMATS)} (fp8 weights; int4/int8 weights with 16-bit activations), one per checkpoint"
+            f"{', '.join(FORMATS)} (fp8 weights; int4/int8 packed weights; int8 weights), one per checkpoint"
         )
-    if formats == {"pack-quantized"}:
-        return _packed(groups)
-    return _float(quantization, groups)
+    if formats == {"float-quantized"}:
+        return _float(quantization, groups)
+    return _integer(groups, packed=formats == {"pack-quantized"})
 
 
-def _packed(groups: dict[str, Any]) -> PackedIntFormat:
+def _integer(groups: dict[str, Any], packed: bool) -> PackedIntFormat:
     schemes = set()
     for name, group in groups.items():
-        if group.get("input_activations"):
+        if packed and group.get("input_activations"):
             raise ModelLoadError(
                 f"compressed-tensors group {name!r} quantizes its input activations: omnirun loads pack-quantized "
                 "weights with 16-bit activations (W4A16, W8A16) only"
             )
-        schemes.add(PackedIntFormat.from_weights(name, group.get("weights") or {}))
+        schemes.add(PackedIntFormat.from_weights(name, group.get("weights") or {}, packed))
     if len(schemes) > 1:
         raise ModelLoadError(f"compressed-tensors groups with different weight schemes ({sorted(schemes, key=str)})")
     return schemes.pop()

@@ -242,11 +242,19 @@ def _pack_signed(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def write_pack_quantized_checkpoint(
-    path: Path, arch: str, bits: int, group_size: int | None, symmetric: bool, actorder: bool = False
+    path: Path,
+    arch: str,
+    bits: int,
+    group_size: int | None,
+    symmetric: bool,
+    actorder: bool = False,
+    packed: bool = True,
 ):
     """A tiny random `arch` model saved as a compressed-tensors pack-quantized checkpoint of its decoder projections
-    (group_size None: per channel; actorder: groups over a permutation of the inputs, saved as weight_g_idx);
-    returns the HF model with the weights the checkpoint stands for in their place, and those weights by name."""
+    (group_size None: per channel; actorder: groups over a permutation of the inputs, saved as weight_g_idx), or
+    with `packed` False an int-quantized one (int8 weights and zero points as they are, int8 dynamic activations,
+    as llm-compressor's W8A8 saves them); returns the HF model with the weights the checkpoint stands for in their
+    place, and those weights by name."""
     hf = tiny_hf_model(arch)
     hf.save_pretrained(path)
     tensors = load_file(path / "model.safetensors")
@@ -277,11 +285,14 @@ def write_pack_quantized_checkpoint(
             scale[:, g] = scale[:, g].to(torch.bfloat16).float()  # the checkpoint stores the model dtype
             q[:, group == g] = (torch.round(part / scale[:, g : g + 1]) + zero[:, g : g + 1]).clamp(low, high).long()
         stands_for[name] = (q - zero[:, group]).float() * scale[:, group]
-        tensors[f"{layer}.weight_packed"] = _pack_signed(q, bits, dim=1)
         tensors[f"{layer}.weight_scale"] = scale.to(torch.bfloat16)
-        tensors[f"{layer}.weight_shape"] = torch.tensor([rows, columns], dtype=torch.int64)
+        if packed:
+            tensors[f"{layer}.weight_packed"] = _pack_signed(q, bits, dim=1)
+            tensors[f"{layer}.weight_shape"] = torch.tensor([rows, columns], dtype=torch.int64)
+        else:
+            tensors[f"{layer}.weight"] = q.to(torch.int8)
         if not symmetric:
-            tensors[f"{layer}.weight_zero_point"] = _pack_signed(zero, bits, dim=0)
+            tensors[f"{layer}.weight_zero_point"] = _pack_signed(zero, bits, dim=0) if packed else zero.to(torch.int8)
         if actorder:
             tensors[f"{layer}.weight_g_idx"] = group.int()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
@@ -295,10 +306,11 @@ def write_pack_quantized_checkpoint(
         "actorder": "group" if actorder else None,
         "dynamic": False,
     }
+    activations = None if packed else {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "format": "pack-quantized" if packed else "int-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
         "ignore": ["lm_head"],
         "quantization_status": "compressed",
     }
