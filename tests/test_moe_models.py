@@ -133,3 +133,24 @@ def test_the_graph_reserve_holds_every_slot_of_a_mixture_of_experts():
     dense = DecodeGraphRunner(dense_runner, None, 256).reserved_bytes()
     experts = DecodeGraphRunner(SimpleNamespace(shape=shape, dtype=torch.bfloat16), None, 256).reserved_bytes()
     assert experts - dense >= 2 * (shape.moe.top_k - 1) * one_slot  # the reserve's 2x margin over one more slot
+
+
+def test_weights_of_another_checkpoint_replace_every_expert(tmp_path):
+    """update_weights_from_disk reads per-expert tensors into the stacked experts like the loader does: afterwards
+    the runner gives what a runner started on the new checkpoint gives."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    tiny_hf_model("mixtral", seed=1).save_pretrained(old)
+    hf = tiny_hf_model("mixtral", seed=2)
+    hf.save_pretrained(new)
+    runner = make_runner(select_platform("cpu"), old)
+    try:
+        prompt = _prompt(3, 12)
+        before = greedy_generate(runner, [prompt], 8)
+        runner.update_weights_from_disk(str(new))
+        after = greedy_generate(runner, [prompt], 8)
+        assert after == [hf_greedy(hf, prompt, 8)] and after != before
+        expert = runner.get_weights_by_name("model.layers.1.block_sparse_moe.experts.5.w3.weight")
+        inter = hf.config.intermediate_size  # HF holds the experts stacked too: [E, gate | up, H]
+        assert torch.equal(expert, hf.state_dict()["model.layers.1.mlp.experts.gate_up_proj"][5, inter:])
+    finally:
+        runner.close()
