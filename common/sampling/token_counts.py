@@ -52,14 +52,14 @@ class TokenCounts:
         params: Sequence[SamplingParams],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
-        pending: Sequence[bool],
+        pending: Sequence[int],
         row_tokens: torch.Tensor | None,
         vocab_size: int,
     ) -> KeptCounts | None:
         """The counts a batch's penalties read (None when no request of it has a penalty), after filling the rows
-        that do not hold their request's tokens. owners[i]: request i's id; rows[i]: its request-pool row;
-        output_ids[i], and one more if pending[i]: its tokens, the pending one at row_tokens[rows[i]] on the
-        device."""
+        that do not hold their request's tokens. owners[i]: request i's id; rows[i]: its request-pool row; its
+        tokens: output_ids[i] and pending[i] more that only the device has (with overlap scheduling at most one,
+        the newest, at row_tokens[rows[i]])."""
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if not penalized:
             return None
@@ -106,7 +106,7 @@ class TokenCounts:
         params: Sequence[SamplingParams],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
-        pending: Sequence[bool],
+        pending: Sequence[int],
         row_tokens: torch.Tensor | None,
     ) -> None:
         """Count the stale rows' requests afresh from the host's lists (and the device's pending tokens)."""
