@@ -4,7 +4,9 @@ exponential race, one program per row.
 A row with top-k first looks at its short list: the batch's `max_top_k + TIE_ROOM` largest logits, sorted, from
 torch.topk (a multi-block select, fast at any batch). When the list holds the k-th value's whole tie (its last value
 is strictly smaller, or it holds the whole vocabulary), every cut and the race happen in registers on the list,
-with no pass over the vocabulary. Any other row searches its whole row, as follows.
+with no pass over the vocabulary. A row with top-p and no top-k (when the batch has one, the list is MAX_SHORTLIST
+long) sums its whole row's mass in one pass and cuts the list when its nucleus, with the tie at its end, lies
+inside. Any other row searches its whole row, as follows.
 
 Each row's logits are scaled as the reference scales them, d = (max - x) / temperature >= 0 (0 for the most likely
 token, larger for less likely ones; the probability is exp(-d) / Z). A filter keeps the tokens with d at most a
