@@ -3,7 +3,9 @@
 Megatron's split: each rank holds whole attention heads (a contiguous block of q heads and the kv heads they read)
 and a contiguous block of the MLP's intermediate columns; the vocabulary is split into equal blocks of rows. Sizes
 that do not divide are handled thus, and said so in the errors:
-- q heads, and the MLP's intermediate size, must divide by the tp size: an error names the sizes that work.
+- q heads, and the MLP's intermediate size (a mixture's experts' and shared expert's too), must divide by the tp
+  size: an error names the sizes that work. With expert parallelism the number of experts must divide instead,
+  each rank holding a block of whole experts.
 - kv heads fewer than ranks are replicated: each kv head lives on tp_size / num_kv_heads ranks (which must divide).
 - the vocabulary is padded up to a multiple of the tp size; padded rows are zeros and their logits are dropped.
 """
@@ -26,7 +28,6 @@ class TPLayout:
     head_start: int  # the model's index of this rank's first q head
     num_kv_heads: int  # kv heads on this rank (1 when replicated)
     kv_head_start: int  # the model's index of this rank's first kv head
-    intermediate_size: int  # MLP columns on this rank
     vocab_per_rank: int  # rows of the embedding / LM head on each rank (padding included)
     vocab_size: int  # the model's real vocabulary
     # Mixtures of experts: with expert parallelism this rank holds experts [expert_start, expert_start +
@@ -99,7 +100,6 @@ def tp_layout(shape: DecoderShape, tp_size: int, tp_rank: int, expert_parallel: 
         head_start=tp_rank * heads_per_rank,
         num_kv_heads=max(1, kv_heads // tp_size),
         kv_head_start=tp_rank * kv_heads // tp_size,
-        intermediate_size=shape.intermediate_size // tp_size,
         vocab_per_rank=-(-shape.vocab_size // tp_size),
         vocab_size=shape.vocab_size,
         expert_parallel=expert_parallel,

@@ -285,6 +285,7 @@ def _sample_kernel(
     if MIN_P:
         min_p = tl.load(min_ps_ptr + row)
 
+    token = tl.full((), -1, tl.int64)  # -1: not drawn from a short list (one search call below serves every case)
     # The short list serves a row whose top-k, with every token tied with its k-th, lies inside it: all of the
     # vocabulary is listed, or the k-th is listed and the last listed is strictly smaller.
     if CANDIDATES > 0:
@@ -318,23 +319,7 @@ def _sample_kernel(
                 MIN_P,
                 CANDIDATES,
             )
-        else:
-            token = _sample_row(
-                logits_ptr + row * stride,
-                vocab,
-                temperature,
-                k,
-                top_p,
-                min_p,
-                key,
-                TOP_K,
-                TOP_P,
-                MIN_P,
-                PIVOTS,
-                BLOCK,
-                SEARCH_BLOCK,
-            )
-    else:
+    if token < 0:  # no short list, or the row's cuts do not fit it: search the whole row
         token = _sample_row(
             logits_ptr + row * stride,
             vocab,
