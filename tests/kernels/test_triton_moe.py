@@ -8,7 +8,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'omnirun[cuda]' or '[rocm]')")
 
-from omnirun.kernels.triton.moe import fused_moe, sort_slots  # noqa: E402
+from omnirun.kernels.triton import moe  # noqa: E402
+from omnirun.kernels.triton.moe import fused_moe, route, sort_slots  # noqa: E402
 from omnirun.layers import native_ops  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -21,18 +22,26 @@ def _inputs(tokens: int, hidden: int, inter: int, experts: int, dtype: torch.dty
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
     logits = torch.randn(tokens, experts, generator=gen)
-    logits[:, 0] += 20.0  # expert 0 takes every token
+    logits[:, 0] += 4.0  # expert 0 takes every token (and leaves the other choice a weight that renormalising moves)
     logits[:, -1] -= 40.0  # the last one none
     if tokens > 3:
         logits[3, 1] += 40.0  # expert 1 at least token 3
+    assert (native_ops.route(logits, 2, False)[1] == 0).any(dim=-1).all()
     return tuple(t.to(DEVICE, dtype) for t in (x, logits, w13, w2))
+
+
+@pytest.fixture(params=["by_slot", "grouped"])
+def path(request, monkeypatch):
+    """Each case through both paths: the decode path (a GEMV per slot) and the grouped GEMMs."""
+    monkeypatch.setattr(moe, "by_slot", lambda slots, local: request.param == "by_slot")
+    return request.param
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(
     "tokens, dtype", [(1, torch.float32), (5, torch.float32), (70, torch.float32), (9, torch.bfloat16)], ids=str
 )
-def test_kernel_equals_the_reference(tokens, dtype, renormalize):
+def test_kernel_equals_the_reference(tokens, dtype, renormalize, path):
     x, logits, w13, w2 = _inputs(tokens, hidden=32, inter=48, experts=6, dtype=dtype)
     got = fused_moe(x, logits.float(), w13, w2, 2, renormalize)
     expected = native_ops.fused_moe(x, logits.float(), w13, w2, 2, renormalize)
@@ -42,7 +51,7 @@ def test_kernel_equals_the_reference(tokens, dtype, renormalize):
 
 
 @pytest.mark.parametrize("start", [0, 3])
-def test_one_rank_s_experts_under_expert_parallelism(start):
+def test_one_rank_s_experts_under_expert_parallelism(start, path):
     """Experts start..start+2 of 6 on this rank: the kernel adds what the reference adds for them, and the two
     ranks' parts sum to the whole mixture."""
     x, logits, w13, w2 = _inputs(11, hidden=32, inter=16, experts=6, dtype=torch.float32)
@@ -52,6 +61,21 @@ def test_one_rank_s_experts_under_expert_parallelism(start):
     other = 3 - start
     whole = part + fused_moe(x, logits, w13[other : other + 3], w2[other : other + 3], 2, True, other)
     torch.testing.assert_close(whole, native_ops.fused_moe(x, logits, w13, w2, 2, True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_equals_the_reference_and_the_first_of_equal_experts_wins(renormalize):
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(33, 160, generator=gen)  # 160 experts: a block of 256 with 96 masked off
+    logits[0, :] = 0.0  # all equal: experts 0..7
+    logits[1, [3, 9, 100, 150]] = 9.0  # four equal leaders, then the rest by value
+    logits = logits.to(DEVICE)
+    weights, ids = route(logits, 8, renormalize)
+    expected_weights, expected_ids = native_ops.route(logits, 8, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert ids[0].tolist() == list(range(8)) and ids[1, :4].tolist() == [3, 9, 100, 150]
+    assert ids[2:].tolist() == expected_ids[2:].tolist()
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
 
 
 def test_slots_are_sorted_by_expert_in_whole_blocks():
@@ -65,8 +89,21 @@ def test_slots_are_sorted_by_expert_in_whole_blocks():
     assert (sorted_slots[12:] == pad).all()  # blocks past the total are padding, and the kernel skips them
 
 
+def test_another_rank_s_slots_sort_past_the_total():
+    """Expert id 4 of 4 local experts marks a slot another rank computes: no block of this rank's holds it."""
+    experts = torch.tensor([[2, 0], [4, 3], [2, 4]], device=DEVICE)
+    sorted_slots, block_experts, total = sort_slots(experts, num_experts=4, block_m=4)
+    pad = experts.numel()
+    assert total.tolist() == [12]
+    assert sorted_slots[:12].tolist() == [1, pad, pad, pad, 0, 4, pad, pad, 3, pad, pad, pad]
+    assert sorted(sorted_slots[12:16].tolist()) == [2, 5, pad, pad]  # past the total: the kernels never read it
+
+
 def test_a_mixture_of_experts_model_through_the_kernel_equals_hf(tmp_path):
-    """Qwen2-MoE (shared expert, a dense layer) on the CPU platform with the Triton kernel as its `fused_moe`."""
+    """Qwen2-MoE (shared expert, a dense layer) on the CPU platform with the Triton kernel as its `fused_moe`, in
+    Triton's interpreter (on a GPU, common/conformance/test_moe_vs_hf.py runs the models through the kernel)."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the CPU platform cannot launch compiled kernels; the conformance suite covers the GPU")
     from omnirun.devices.cpu.platform import CpuPlatform
     from omnirun.testing import greedy_generate, hf_greedy, make_runner, tiny_hf_model
 

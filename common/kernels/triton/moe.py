@@ -6,7 +6,13 @@ One launch multiplies every block by its expert's gate|up weights, the activatio
 second launch multiplies by the experts' down weights and the routing weight, and each token sums its top_k slots.
 The grid is sized for the most blocks the slots can fill (every expert's run padded), and blocks past the real
 total return at once: the sizes depend on the token count alone, never on the routing, so nothing waits for the
-host. The routing itself (float32 softmax, top-k, renormalisation) is the reference's.
+host.
+
+A decode step (a few tokens) takes another path: sorting and padding would cost more launches than the work, so
+each slot multiplies its token by its expert's rows directly (a GEMV, gate|up and the activation in one launch), and
+each token sums its slots' down projections in a second, weighted, in float32: three launches with the routing, where
+the grouped path makes about twenty. The routing is one launch on either path (float32 softmax, top-k with the first
+index winning ties, renormalisation), computed as HF's routers compute it.
 
 Importing this module imports triton; the capability gate (omnirun.kernels) offers it only where triton runs.
 """
@@ -79,34 +85,208 @@ def _grouped_gemm_kernel(
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    E,
+    stride_l,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOP: tl.constexpr,
+):
+    """One token's top_k experts by softmax(logits) in float32; of equal probabilities the first expert wins."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + token * stride_l + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, 0))
+    probs = tl.where(offs < E, probs / tl.sum(probs, 0), -1.0)  # -1: never chosen
+    top = tl.arange(0, BLOCK_TOP)
+    weights = tl.zeros((BLOCK_TOP,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_TOP,), dtype=tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        expert = tl.min(tl.where(probs == best, offs, BLOCK_E), 0)
+        weights = tl.where(top == k, best, weights)
+        ids = tl.where(top == k, expert, ids)
+        probs = tl.where(offs == expert, -1.0, probs)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(weights_ptr + token * TOP_K + top, weights, mask=top < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + top, ids, mask=top < TOP_K)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """omnirun.layers.native_ops.route in one launch: (float32 weights, int64 expert ids), both [T, top_k]."""
+    tokens, experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            router_logits,
+            weights,
+            ids,
+            experts,
+            router_logits.stride(0),
+            TOP_K=top_k,
+            RENORMALIZE=renormalize,
+            BLOCK_E=triton.next_power_of_2(experts),
+            BLOCK_TOP=triton.next_power_of_2(top_k),
+        )
+    return weights, ids
+
+
+@triton.jit
+def _slot_gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    ids_ptr,
+    act_ptr,
+    expert_start,
+    num_local,
+    inter,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """act[slot, n] = silu(gate) * up of the slot's token through its expert's rows n and inter + n, in float32."""
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + slot) - expert_start
+    if (expert < 0) | (expert >= num_local):  # another rank's expert: its down projection skips the slot too
+        return
+    x_row = x_ptr + (slot // TOP_K) * stride_xm
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+        mask = (offs_n[:, None] < inter) & (offs_k[None, :] < K)
+        gate += tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        up += tl.load(rows + inter * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    g, u = tl.sum(gate, 1), tl.sum(up, 1)
+    tl.store(act_ptr + slot * inter + offs_n, g * tl.sigmoid(g) * u, mask=offs_n < inter)
+
+
+@triton.jit
+def _token_down_kernel(
+    act_ptr,
+    w2_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    expert_start,
+    num_local,
+    N,
+    K,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[token, n] = sum over the token's slots of weight * (w2[expert] row n . act[slot]), in float32."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = token * TOP_K + k
+        expert = tl.load(ids_ptr + slot) - expert_start
+        if (expert >= 0) & (expert < num_local):
+            weight = tl.load(weights_ptr + slot)
+            rows = w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(act_ptr + slot * K + offs_k, mask=offs_k < K, other=0.0) * weight
+                mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+                acc += tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a[None, :]
+    tl.store(out_ptr + token * stride_om + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def by_slot(slots: int, local_experts: int) -> bool:
+    """Whether a batch takes the decode path: while there are no more slots than experts, few experts are reached
+    twice, and a GEMV per slot reads little more than the grouped GEMMs would, with a sixth of their launches. (On an
+    H100, Qwen3-30B-A3B's 128 experts: the decode path is faster up to 16 tokens, 128 slots, slower from 32.)"""
+    return slots <= local_experts
+
+
+def slot_tiles(slots: int) -> dict[str, tuple[int, int, int]]:
+    """The decode path's (BLOCK_N, BLOCK_K, warps) per kernel: few rows a program while there are few slots, so
+    that enough programs stream the experts' weights."""
+    if slots <= 8:
+        return {"gate_up": (4, 512, 4), "down": (4, 512, 4)}
+    return {"gate_up": (8, 512, 4), "down": (4, 256, 4)}  # the fastest of seven each on an H100, 16-128 slots
+
+
+def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start):
+    """The decode path: a GEMV per slot for gate|up and the activation, then one per token for the weighted down
+    projections, with no sort; another rank's slots are skipped, not multiplied by zero."""
+    tokens, hidden = x.shape
+    local, inter = w13.shape[0], w2.shape[2]
+    act = torch.empty(tokens * top_k, inter, dtype=torch.float32, device=x.device)
+    tiles = slot_tiles(tokens * top_k)
+    block_n, block_k, num_warps = tiles["gate_up"]
+    _slot_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
+        x, w13, experts, act, expert_start, local, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    out = torch.empty_like(x)
+    block_n, block_k, num_warps = tiles["down"]
+    _token_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
+        act, w2, experts, weights, out, expert_start, local, hidden, inter, w2.stride(0), w2.stride(1),
+        out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
 def sort_slots(
     experts: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Slots (flattened [T, top_k] expert choices) sorted by expert, each expert's run padded to whole blocks of
-    block_m (padding: the slot count, past every slot). Returns (sorted slots [capacity], each block's expert
-    [capacity / block_m], the padded total [1]), all on the device, capacity fixed by T alone."""
+    block_m (padding: the slot count, past every slot). An expert id of num_experts marks a slot this rank does not
+    compute (another rank's expert): those sort last, past the total. Returns (sorted slots [capacity], each block's
+    expert [capacity / block_m], the padded total of this rank's runs [1]), all on the device, capacity fixed by T
+    alone."""
     flat = experts.flatten()
     slots = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # (bincount would read the maximum on the host)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = torch.sort(flat, stable=True).indices
     by_expert = flat[order]
     rank = torch.arange(slots, device=flat.device) - (counts.cumsum(0) - counts)[by_expert]
-    capacity = triton.cdiv(slots + num_experts * (block_m - 1), block_m) * block_m
+    capacity = triton.cdiv(slots + (num_experts + 1) * (block_m - 1), block_m) * block_m
     sorted_slots = torch.full((capacity,), slots, dtype=torch.int64, device=flat.device)
     sorted_slots[(padded_end - padded)[by_expert] + rank] = order
     starts = torch.arange(0, capacity, block_m, device=flat.device)
     block_experts = torch.searchsorted(padded_end, starts, right=True).clamp(max=num_experts - 1)
-    return sorted_slots, block_experts, padded_end[-1:]
+    return sorted_slots, block_experts, padded_end[num_experts - 1 : num_experts]
 
 
-def _grouped_gemm(a, b, sorted_slots, block_experts, total, num_slots, slots_per_row, weights, out_dtype, block_m):
-    """out[slot] = a[slot // slots_per_row] @ b[expert of slot].T (x the slot's weight), for every real slot."""
+def grouped_tile(slots: int, local_experts: int) -> tuple[int, int, int, int, int]:
+    """The grouped GEMMs' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for this many slots over this many experts."""
+    if slots <= 32 * local_experts:  # a few rows per expert (the fastest of ten tiles on an H100, 64-2048 slots)
+        return 16, 64, 128, 4, 3
+    return 64, 64, 32, 4, 3
+
+
+def _grouped_gemm(
+    a, b, sorted_slots, block_experts, total, num_slots, slots_per_row, weights, out_dtype, tile, skips=False
+):
+    """out[slot] = a[slot // slots_per_row] @ b[expert of slot].T (x the slot's weight), for every slot this rank
+    computes; with `skips`, the rows of the slots it skips are zeros."""
     n, k = b.shape[1], b.shape[2]
-    out = torch.empty(num_slots, n, dtype=out_dtype, device=a.device)
-    block_n, block_k = 64, 32
+    out = (torch.zeros if skips else torch.empty)(num_slots, n, dtype=out_dtype, device=a.device)
+    block_m, block_n, block_k, num_warps, num_stages = tile
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a,
@@ -129,7 +309,8 @@ def _grouped_gemm(a, b, sorted_slots, block_experts, total, num_slots, slots_per
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=4,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -144,9 +325,8 @@ def fused_moe(
     expert_start: int = 0,
 ) -> torch.Tensor:
     """See omnirun.layers.native_ops.fused_moe (the reference): the same mixture, summed per token over its top_k
-    choices (in float32, rounded once) rather than expert by expert. Slots routed to another rank's experts (expert
-    parallelism) weigh nothing here (they are computed by this rank's first expert and multiplied by 0: simple,
-    not yet cheap)."""
+    choices (in float32, rounded once) rather than expert by expert. A few slots take the decode path, more the
+    grouped GEMMs; on either, slots routed to another rank's experts (expert parallelism) are skipped."""
     from omnirun.layers import native_ops
 
     if x.dtype not in _KERNEL_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or x.dim() != 2:
@@ -154,20 +334,22 @@ def fused_moe(
     tokens = x.shape[0]
     if tokens == 0:
         return torch.zeros_like(x)
-    weights, experts = native_ops.route(router_logits, top_k, renormalize)
-    local = w13.shape[0]
-    if local != router_logits.shape[-1]:  # expert parallelism: this rank holds experts expert_start.. only
-        experts = experts - expert_start
-        mine = (experts >= 0) & (experts < local)
-        weights, experts = torch.where(mine, weights, 0.0), torch.where(mine, experts, 0)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    weights, experts = route(router_logits, top_k, renormalize)
     slots = tokens * top_k
-    block_m = 16 if slots <= 32 * w13.shape[0] else 64  # few rows per expert while decoding
-    sorted_slots, block_experts, total = sort_slots(experts, w13.shape[0], block_m)
-    gate_up = _grouped_gemm(x, w13, sorted_slots, block_experts, total, slots, top_k, None, x.dtype, block_m)
+    if by_slot(slots, w13.shape[0]):
+        return _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start)
+    local = w13.shape[0]
+    foreign = local != router_logits.shape[-1]
+    if foreign:  # expert parallelism: this rank holds experts expert_start.. only, and skips the other slots
+        experts = experts - expert_start
+        experts = torch.where((experts >= 0) & (experts < local), experts, local)
+    tile = grouped_tile(slots, local)
+    sorted_slots, block_experts, total = sort_slots(experts, local, tile[0])
+    gate_up = _grouped_gemm(x, w13, sorted_slots, block_experts, total, slots, top_k, None, x.dtype, tile)
     gate, up = gate_up.chunk(2, dim=-1)
     hidden = (F.silu(gate) * up).contiguous()
     weighted = _grouped_gemm(
-        hidden, w2, sorted_slots, block_experts, total, slots, 1, weights.flatten(), torch.float32, block_m
+        hidden, w2, sorted_slots, block_experts, total, slots, 1, weights.flatten(), torch.float32, tile, foreign
     )
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)

@@ -1,0 +1,164 @@
+"""The Triton `fused_moe` op alone, no model, at a preset's mixture-of-experts shape: each path (`by_slot`, the
+decode path's GEMV per slot; `grouped`, the sorted grouped GEMMs) per batch size, against two bounds measured in the
+same run: the floor (the bytes of the experts the batch reaches, ÷ the copy bandwidth) and a matmul-only
+calibration in plain torch (each reached expert's two GEMMs on its routed tokens, gathered beforehand, in a graph).
+Every timing replays a device graph over `--layers` copies of the weights (more than the L2 cache holds), as a
+decode step runs its layers. `--sweep` also times each path's candidate tiles and prints the fastest per batch.
+
+    python bench/moe_op.py --device cuda --preset qwen3-30b-a3b --batch-sizes 1 4 16 64 256 \
+        --json bench/results/h100_moe_op.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from omnirun.bandwidth import measure_bandwidth
+from omnirun.kernels.triton import moe
+from omnirun.layers import native_ops
+from omnirun.loader.presets import preset_config
+from omnirun.models.architecture import decoder_shape
+from omnirun.registry import select_platform
+
+SLOT_TILES = {
+    "gate_up": [(2, 1024, 4), (4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4)],
+    "down": [(2, 256, 4), (4, 128, 4), (4, 256, 4), (4, 512, 4), (8, 128, 4), (8, 256, 4), (16, 256, 4)],
+}
+GROUPED_TILES = [
+    (16, 64, 32, 4, 3),
+    (16, 64, 64, 4, 4),
+    (16, 128, 64, 4, 3),
+    (16, 64, 128, 4, 3),
+    (32, 64, 64, 4, 4),
+    (64, 64, 32, 4, 3),
+    (64, 64, 64, 4, 4),
+    (64, 128, 64, 4, 3),
+    (64, 128, 64, 8, 4),
+    (128, 128, 64, 8, 3),
+]
+
+
+def graph_ms(platform, fn, repeats: int = 10) -> float:
+    """Milliseconds per replay of a graph of `fn` (captured after a warm-up call that compiles it)."""
+    api = platform.graph_api()
+    fn()
+    platform.synchronize()
+    graph = api.new_graph()
+    with api.capture(graph, pool=api.new_pool()):
+        fn()
+    graph.replay()
+    start, end = platform.event(enable_timing=True), platform.event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    platform.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def _one_tile(default, kernel, tile, slots):
+    return {**default(slots), kernel: tile}
+
+
+def matmul_only(x, experts, w13s, w2s):
+    """Each reached expert's two GEMMs on its tokens (gathered beforehand), per layer: what the mixture must do."""
+    reached = experts.unique().tolist()
+    inputs = {e: x[(experts == e).any(dim=-1)] for e in reached}
+    hidden = {e: torch.empty(t.shape[0], w2s[0].shape[2], dtype=x.dtype, device=x.device) for e, t in inputs.items()}
+
+    def run():
+        for w13, w2 in zip(w13s, w2s, strict=True):
+            for e in reached:
+                F.linear(inputs[e], w13[e])
+                F.linear(hidden[e], w2[e])
+
+    return run, len(reached)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--layers", type=int, default=4, help="weight copies a replay cycles through")
+    parser.add_argument("--sweep", action="store_true", help="time every candidate tile of both paths")
+    parser.add_argument("--sweep-slots-up-to", type=int, default=512, help="sweep the decode path's tiles this far")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    platform = select_platform(args.device)
+    device, dtype = platform.device(), torch.bfloat16
+    shape = decoder_shape(preset_config(args.preset))
+    E, H, inter, top_k = shape.moe.num_experts, shape.hidden_size, shape.moe.intermediate_size, shape.moe.top_k
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13s = [
+        torch.randn(E, 2 * inter, H, generator=gen, device=device, dtype=dtype) / H**0.5 for _ in range(args.layers)
+    ]
+    w2s = [torch.randn(E, H, inter, generator=gen, device=device, dtype=dtype) / inter**0.5 for _ in range(args.layers)]
+    expert_bytes = (3 * inter * H) * dtype.itemsize
+    bandwidth = measure_bandwidth(platform, device)
+    print(f"{args.preset}: {E} experts, top {top_k}, hidden {H}, expert intermediate {inter}, {args.layers} layers")
+    print(f"copy bandwidth {bandwidth.copy_bytes_per_s / 1e9:.0f} GB/s on {platform.capabilities.device_name}")
+
+    results = []
+    for batch in args.batch_sizes:
+        x = torch.randn(batch, H, generator=gen, device=device, dtype=dtype)
+        logits = torch.randn(batch, E, generator=gen, device=device, dtype=dtype)
+        _, experts = native_ops.route(logits, top_k, shape.moe.renormalize)
+        calibration, reached = matmul_only(x, experts, w13s, w2s)
+        floor_ms = reached * expert_bytes * args.layers / bandwidth.copy_bytes_per_s * 1e3
+        row = {"batch": batch, "experts_reached": reached, "floor_ms": floor_ms}
+        row["matmul_only_ms"] = graph_ms(platform, calibration)
+        expected = native_ops.fused_moe(x, logits, w13s[0], w2s[0], top_k, shape.moe.renormalize).float()
+
+        def run(x=x, logits=logits):
+            for w13, w2 in zip(w13s, w2s, strict=True):
+                moe.fused_moe(x, logits, w13, w2, top_k, shape.moe.renormalize)
+
+        paths = {"by_slot": True, "grouped": False}
+        default_path, default_slot, default_tile = moe.by_slot, moe.slot_tiles, moe.grouped_tile
+        for path, forced in paths.items():
+            moe.by_slot = lambda slots, local, forced=forced: forced
+            got = moe.fused_moe(x, logits, w13s[0], w2s[0], top_k, shape.moe.renormalize).float()
+            row[f"{path}_max_error"] = (got - expected).abs().max().item()
+            row[f"{path}_ms"] = graph_ms(platform, run)
+            if not args.sweep or (path == "by_slot" and batch * top_k > args.sweep_slots_up_to):
+                continue
+            candidates = SLOT_TILES.items() if path == "by_slot" else [("tile", GROUPED_TILES)]
+            for kernel, tiles in candidates:  # one kernel's tile varied, the other's left at its default
+                for tile in tiles:
+                    if path == "by_slot":
+                        moe.slot_tiles = functools.partial(_one_tile, default_slot, kernel, tile)
+                    else:
+                        moe.grouped_tile = lambda slots, local, tile=tile: tile
+                    row[f"{path}_{kernel}_{'x'.join(map(str, tile))}_ms"] = graph_ms(platform, run)
+            moe.slot_tiles, moe.grouped_tile = default_slot, default_tile
+        moe.by_slot = default_path
+        results.append(row)
+        line = (
+            f"bs={batch:4d} reached {reached:3d}: floor {floor_ms:7.3f} ms, matmul-only {row['matmul_only_ms']:7.3f}, "
+            f"by_slot {row['by_slot_ms']:7.3f} ({row['by_slot_ms'] / floor_ms:.2f}x floor), "
+            f"grouped {row['grouped_ms']:7.3f} ({row['grouped_ms'] / floor_ms:.2f}x floor, "
+            f"{row['grouped_ms'] / row['matmul_only_ms']:.2f}x matmul-only); "
+            f"max error {row['by_slot_max_error']:.3g} / {row['grouped_max_error']:.3g}"
+        )
+        print(line, flush=True)
+        for group in ("by_slot_gate_up", "by_slot_down", "grouped_tile"):
+            tiles = {k: v for k, v in row.items() if k.startswith(f"{group}_")}
+            if tiles:
+                best = min(tiles, key=tiles.get)
+                print(f"    fastest {best}: {tiles[best]:.3f} ms  ({', '.join(f'{v:.3f}' for v in tiles.values())})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"preset": args.preset, "device": platform.capabilities.device_name, "rows": results}, f, indent=1
+            )
+
+
+if __name__ == "__main__":
+    main()
