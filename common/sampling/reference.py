@@ -22,18 +22,32 @@ if TYPE_CHECKING:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """int64 [B]: each row's draw from its filtered distribution, with its key's random numbers."""
-    probs = filtered_probs(logits, batch)
+    return race(filtered_probs(logits, batch), batch)
+
+
+def race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """int64 [B]: the exponential race over each row's (unnormalised) probabilities, with its key's numbers."""
     return (probs / exponentials(batch.keys, probs.shape[-1])).argmax(dim=-1)
 
 
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p; filtered tokens have probability 0. Rows are not
     renormalised after min-p: the exponential race does not need it."""
-    x = logits.float()
-    # Subtracting the row max first (softmax does not care) keeps a tiny temperature from overflowing to inf.
-    x = (x - x.amax(dim=-1, keepdim=True)) / batch.temperatures.unsqueeze(-1)
+    x = scaled_logits(logits, batch)
     if batch.any_top_k or batch.any_top_p:
         x = _top_k_top_p(x, batch)
+    return probs_after_min_p(x, batch)
+
+
+def scaled_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """float32 logits over each row's temperature. Subtracting the row max first (softmax does not care) keeps a
+    tiny temperature from overflowing to inf."""
+    x = logits.float()
+    return (x - x.amax(dim=-1, keepdim=True)) / batch.temperatures.unsqueeze(-1)
+
+
+def probs_after_min_p(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """softmax of the (top-k/top-p filtered) scaled logits, less the tokens under min_p × the row's largest."""
     probs = torch.softmax(x, dim=-1)
     if batch.any_min_p:
         p_max = probs.amax(dim=-1, keepdim=True)

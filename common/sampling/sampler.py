@@ -42,6 +42,7 @@ class SamplingBatch:
     any_top_k: bool
     any_min_p: bool
     max_top_k: int  # the largest top-k of a sampled row (0: none has top-k on); a kernel sizes its short list by it
+    every_top_k: bool  # every sampled row has top-k on (a kernel that needs a k per row may then run)
     any_top_p_alone: bool  # a sampled row has top-p and no top-k (a kernel may list candidates for its nucleus)
     max_logprobs: int  # largest top-n requested (0: chosen token only), -1 when nobody wants logprobs
     adjustments: LogitAdjustments | None = None  # penalties, logit bias, min_tokens (None: no request uses any)
@@ -97,6 +98,7 @@ class SamplingBatch:
             any_top_k=any(p.top_k > 0 for p in sampled),
             any_min_p=any(p.min_p > 0 for p in sampled),
             max_top_k=max((p.top_k for p in sampled if p.top_k > 0), default=0),
+            every_top_k=bool(sampled) and all(p.top_k > 0 for p in sampled),
             any_top_p_alone=any(p.top_p < 1 and p.top_k <= 0 for p in sampled),
             max_logprobs=max_logprobs,
             adjustments=adjustments,

@@ -1,4 +1,5 @@
-"""torch_npu's fused kernels as omnirun's ops: rms_norm, add_rms_norm, silu_and_mul, rotary_embedding.
+"""torch_npu's fused kernels as omnirun's ops: rms_norm, add_rms_norm, silu_and_mul, rotary_embedding, and sample
+(omnirun.devices.npu.ascend_sampling).
 
 Each op calls torch_npu where the documented constraints hold (Ascend/op-plugin:docs/zh/custom_APIs/torch_npu/)
 and falls back to the torch-native reference otherwise. The checks read only shapes and dtypes, so they run inside
@@ -93,5 +94,10 @@ def ascend_fused_ops(torch_npu: Any) -> dict[str, Callable[..., Any]]:
             return rotate(q), rotate(k)
 
         ops["rotary_embedding"] = rotary_embedding
+
+    if hasattr(torch_npu, "npu_top_k_top_p"):
+        from omnirun.devices.npu.ascend_sampling import ascend_sample
+
+        ops["sample"] = ascend_sample(torch_npu)
 
     return ops

@@ -427,6 +427,25 @@ class fake_graph:  # noqa: N801 (torch.npu.graph)
         self.graph.capture_end()
 
 
+def npu_top_k_top_p(logits, p, k):
+    """aclnnApplyTopKTopP as the CANN doc computes it (aolapi/context/aclnnApplyTopKTopP.md): an ascending stable
+    sort; -inf below the k-th largest value; softmax; the ascending cumulative sum; -inf where it is at most 1 - p,
+    never at the largest position; back in the input's order."""
+    _require(logits.dim() == 2 and logits.dtype in FLOATS, "npu_top_k_top_p: 2-D float32/float16/bfloat16 logits")
+    _require(p.dtype == logits.dtype and p.shape == logits.shape[:1], "npu_top_k_top_p: p [B] in the logits' dtype")
+    _require(k.dtype == torch.int32 and k.shape == logits.shape[:1], "npu_top_k_top_p: k [B] int32")
+    _require(bool(((k >= 1) & (k <= 1024)).all()), "npu_top_k_top_p: k must lie in [1, 1024]")
+    vocab = logits.shape[1]
+    values, indices = logits.float().sort(dim=-1, descending=False, stable=True)
+    kth = values.gather(-1, (vocab - k.long()).unsqueeze(-1))
+    values = values.masked_fill(values < kth, float("-inf"))
+    cumulative = values.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - p.float().unsqueeze(-1)
+    drop[:, -1] = False
+    values = values.masked_fill(drop, float("-inf"))
+    return torch.empty_like(values).scatter_(-1, indices, values).to(logits.dtype)
+
+
 def make_fake_torch_npu(npu: FakeNpu | None = None, *, atb: bool = True, graphs: bool = True) -> types.ModuleType:
     """A torch_npu with its operators (atb=False: NNAL missing, no torch.ops.atb) and NPU graphs."""
     npu = npu or FakeNpu()
@@ -437,6 +456,6 @@ def make_fake_torch_npu(npu: FakeNpu | None = None, *, atb: bool = True, graphs:
         _register_atb_ops()
         for name in _ATB_SCHEMAS:
             setattr(module, name, getattr(torch.ops.atb, name))
-    for fn in (npu_rms_norm, npu_add_rms_norm, npu_swiglu, npu_rotary_mul):
+    for fn in (npu_rms_norm, npu_add_rms_norm, npu_swiglu, npu_rotary_mul, npu_top_k_top_p):
         setattr(module, fn.__name__, fn)
     return module

@@ -122,7 +122,7 @@ def test_fused_ops_match_the_references(torch_npu, dtype):
     from omnirun.devices.npu.ascend_ops import ascend_fused_ops
 
     ops = ascend_fused_ops(torch_npu)
-    assert set(ops) == {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding"}
+    assert set(ops) == {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "sample"}
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
     x, r, w = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype), torch.randn(64).to(dtype)
     torch.testing.assert_close(ops["rms_norm"](x, w, 1e-6), native_ops.rms_norm(x, w, 1e-6), **tol)
@@ -150,6 +150,47 @@ def test_fused_ops_match_the_references(torch_npu, dtype):
     torch.testing.assert_close(ops["silu_and_mul"](q64), native_ops.silu_and_mul(q64))
 
 
+def _sampling_batch(rows: int, vocab: int, every_top_k: bool):
+    from omnirun.sampling import SamplingBatch, SamplingParams
+
+    gen = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).round() / 2  # halves: ties at the cuts
+    filters = [
+        dict(temperature=0.7, top_k=1024, top_p=0.9),
+        dict(top_k=5),
+        dict(temperature=1.3, top_k=200, top_p=0.6),
+        dict(temperature=0.9, top_k=50, top_p=0.95, min_p=0.1),
+        dict(temperature=0.0),  # greedy: its k (the vocabulary) is out of the op's range
+        dict(temperature=2.0, top_k=900, top_p=0.3),
+        dict(temperature=0.5, top_k=3, top_p=0.5),
+        dict(temperature=1.0, top_k=1),
+    ]
+    params = [SamplingParams(**filters[i % len(filters)], seed=i) for i in range(rows)]
+    if not every_top_k:
+        params[1] = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
+    return logits, SamplingBatch.build(params, list(range(rows)), "cpu", vocab_size=vocab)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_filters_with_npu_top_k_top_p_and_draws_the_reference_s_tokens(torch_npu, monkeypatch, dtype):
+    """Seeded rows with top-k and top-p over logits with ties at the cuts: the op's filter (the CANN doc's formula,
+    in the fake) and the reference's keep the same tokens, so every sampled row draws the reference's token."""
+    from omnirun.devices.npu.ascend_ops import ascend_fused_ops
+    from omnirun.sampling import reference
+
+    calls = []
+    monkeypatch.setattr(torch_npu, "npu_top_k_top_p", lambda *a: calls.append(a) or fake.npu_top_k_top_p(*a))
+    sample = ascend_fused_ops(torch_npu)["sample"]
+    for every_top_k, filtered_by_the_op in ((True, 1), (False, 0)):  # a row without top-k: all by the reference
+        calls.clear()
+        logits, batch = _sampling_batch(96, 3_000, every_top_k)
+        logits = logits.to(dtype)
+        got, expected = sample(logits, batch), reference.sample(logits, batch)
+        sampled = ~batch.greedy
+        assert torch.equal(got[sampled], expected[sampled])
+        assert len(calls) == filtered_by_the_op
+
+
 def test_platform_offers_ascend_graphs_and_ops(fake_npu):
     assert fake_npu.attention_backends() == ("ascend", "torch_native")
     assert fake_npu.default_attention_backend_for("decode", torch.bfloat16) == "ascend"
@@ -157,7 +198,7 @@ def test_platform_offers_ascend_graphs_and_ops(fake_npu):
     best = fake_npu.capabilities.model_dtypes[0]  # the deprecated dtype-blind default: the best dtype's
     assert fake_npu.default_attention_backend("prefill") == fake_npu.default_attention_backend_for("prefill", best)
     assert fake_npu.graph_api().name == "npu_graph"
-    assert set(fake_npu.fused_ops()) == {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding"}
+    assert set(fake_npu.fused_ops()) == {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding", "sample"}
     assert "ascend attention and NPU graphs" in fake_npu.notes()[0]
 
 
