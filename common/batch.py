@@ -34,8 +34,11 @@ class ForwardBatch:
     seq_lens_cpu: torch.Tensor  # host copy of seq_lens
     extend_prefix_lens_cpu: torch.Tensor  # [batch] int32, host: tokens already cached before this step
     extend_seq_lens_cpu: torch.Tensor  # [batch] int32, host: new tokens per request (all 1 in DECODE)
-    # Logits for every new token (prompt logprobs, tests) rather than only each request's last one.
+    # Logits for every new token (tests) rather than only each request's last one.
     return_full_logits: bool = False
+    # [rows] int64: the new tokens whose logits the step returns, when some request needs more than its last one
+    # (prompt logprobs: every token of its chunk); None: each request's last token.
+    logit_rows: torch.Tensor | None = None
     # Some input_ids were filled on the device from tokens not yet seen by the host (overlap scheduling): the other
     # ranks of a tensor-parallel group receive them by broadcast, not in the step's host message.
     input_ids_pending: bool = False
@@ -93,6 +96,7 @@ class HostBatch:
     extend_prefix_lens_cpu: torch.Tensor
     extend_seq_lens_cpu: torch.Tensor
     return_full_logits: bool = False
+    logit_rows: torch.Tensor | None = None
     input_ids_pending: bool = False
     # Table entries of prefixes shared from the prefix cache into the batch's rows ([3, n]: rows, positions, slots):
     # rank 0 wrote them with the batch's own (KVMemory.alloc_step); the other ranks write them from here.
@@ -115,6 +119,7 @@ class HostBatch:
             extend_prefix_lens_cpu=self.extend_prefix_lens_cpu,
             extend_seq_lens_cpu=self.extend_seq_lens_cpu,
             return_full_logits=self.return_full_logits,
+            logit_rows=None if self.logit_rows is None else self.logit_rows.to(device, non_blocking=True),
             input_ids_pending=self.input_ids_pending,
             host=self,
             device_ints=device_ints,
@@ -130,11 +135,13 @@ def build_batch(
     device: torch.device,
     *,
     return_full_logits: bool = False,
+    every_logit: Sequence[bool] | None = None,
 ) -> ForwardBatch | None:
     """Allocate KV slots for each request's new tokens and describe the step; None when the pool is full.
 
     Request i (KV row `rows[i]`, with `prefix_lens[i]` tokens already cached) appends `new_token_ids[i]`. The mode
-    is DECODE when every request appends exactly one token, else EXTEND.
+    is DECODE when every request appends exactly one token, else EXTEND. `every_logit[i]`: the logits of each of
+    request i's new tokens, not only of its last (in request order; see `logit_counts`).
     """
     extend_lens = [len(ids) for ids in new_token_ids]
     if not rows or min(extend_lens) < 1:
@@ -147,7 +154,14 @@ def build_batch(
     flat_ids = torch.tensor([token for ids in new_token_ids for token in ids], dtype=torch.int64)
     rows_t = torch.tensor(rows, dtype=torch.int64)
     seq_lens_cpu = torch.tensor(ends, dtype=torch.int32)
-    mode = ForwardMode.DECODE if max(extend_lens) == 1 and not return_full_logits else ForwardMode.EXTEND
+    every_logit = every_logit if every_logit is not None and any(every_logit) else None
+    wide = return_full_logits or every_logit is not None
+    mode = ForwardMode.DECODE if max(extend_lens) == 1 and not wide else ForwardMode.EXTEND
+    logit_rows = None
+    if every_logit is not None:  # each request's last `count` tokens, in request order
+        token_ends = torch.tensor(extend_lens).cumsum(0).tolist()
+        counts = logit_counts(extend_lens, every_logit)
+        logit_rows = torch.tensor([t for end, n in zip(token_ends, counts, strict=True) for t in range(end - n, end)])
     # One host-to-device copy for every per-token and per-request tensor of the step, then views of it.
     host = HostBatch(
         mode=mode,
@@ -155,6 +169,15 @@ def build_batch(
         extend_prefix_lens_cpu=torch.tensor(prefix_lens, dtype=torch.int32),
         extend_seq_lens_cpu=torch.tensor(extend_lens, dtype=torch.int32),
         return_full_logits=return_full_logits,
+        logit_rows=logit_rows,
         prefix_entries=slots.prefix_entries,
     )
     return host.to_device(device)
+
+
+def logit_counts(extend_lens: Sequence[int], every_logit: Sequence[bool] | None) -> list[int]:
+    """Rows of a step's logits per request: one for each new token where `every_logit` says so, else one (its
+    last token's)."""
+    if every_logit is None:
+        return [1] * len(extend_lens)
+    return [n if every else 1 for n, every in zip(extend_lens, every_logit, strict=True)]

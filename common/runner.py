@@ -347,7 +347,8 @@ class ModelRunner:
     # --- one step ---
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [batch, vocab] for each request's last new token ([tokens, vocab] with return_full_logits)."""
+        """Logits [batch, vocab] for each request's last new token ([tokens, vocab] with return_full_logits; the rows
+        `batch.logit_rows` names, when set)."""
         if self._closed:
             raise RuntimeError("this ModelRunner was closed: create a new one")
         if batch.mode is ForwardMode.IDLE:
@@ -390,8 +391,10 @@ class ModelRunner:
         """The model and the LM head on a batch whose attention metadata is set (what a graph captures)."""
         hidden = self.model(batch, self.attention)
         if batch.mode is ForwardMode.EXTEND and not batch.return_full_logits:
-            last_tokens = batch.extend_seq_lens_cpu.cumsum(0) - 1
-            hidden = hidden[last_tokens.to(self.device, non_blocking=True)]
+            rows = batch.logit_rows
+            if rows is None:  # each request's last token
+                rows = (batch.extend_seq_lens_cpu.cumsum(0) - 1).to(self.device, non_blocking=True)
+            hidden = hidden[rows]
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -35,8 +35,9 @@ def draw_many(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("field", "value", "range_words"),
     [
-        ("max_new_tokens", 0, ">= 1"),
-        ("max_new_tokens", 2.5, ">= 1"),
+        ("max_new_tokens", -1, ">= 0"),
+        ("max_new_tokens", 2.5, ">= 0"),
+        ("prompt_logprobs", -1, ">= 0"),
         ("temperature", -0.1, ">= 0"),
         ("temperature", float("nan"), "finite"),
         ("temperature", float("inf"), "finite"),

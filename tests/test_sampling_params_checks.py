@@ -27,9 +27,10 @@ def test_a_boolean_is_not_a_number(field):
 
 def test_the_max_new_tokens_error_says_what_to_pass():
     with pytest.raises(SamplingParamsError) as excinfo:
-        SamplingParams(max_new_tokens=0)
+        SamplingParams(max_new_tokens=-1)
     assert str(excinfo.value) == (
-        "SamplingParams.max_new_tokens=0 is invalid: use an int >= 1, or None for up to the context length"
+        "SamplingParams.max_new_tokens=-1 is invalid: use an int >= 0 (0: the prompt only), or None for up to the "
+        "context"
     )
 
 

@@ -20,6 +20,7 @@ import torch
 
 from omnirun.batch import ForwardMode
 from omnirun.engine.detokenizer import IncrementalDetokenizer
+from omnirun.engine.prompt_logprobs import PromptLogprobs, logit_rows, prompt_logprobs
 from omnirun.engine.request import FinishReason, Request
 from omnirun.engine.request_checks import check_request
 from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
@@ -43,6 +44,7 @@ class _Launched:
     top_logprob_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     done: Any  # a platform event recorded after the copies
+    prompt_logprobs: list[PromptLogprobs] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,11 +244,17 @@ class Engine:
             torch.where(ids == PENDING_TOKEN, self._row_tokens[batch.req_pool_indices], ids, out=ids)
             batch.input_ids_pending = True
         logits = self.runner.forward(batch)
+        prompt_parts = prompt_logprobs(step, logits)
         requests = [step.requests[i] for i in step.sampling]
         if not requests:
-            return _Launched(step, [], None, None, None, None, done=None)
-        if len(requests) != logits.shape[0]:
-            logits = logits[step.sampling]
+            done = None
+            if prompt_parts:
+                done = self.runner.platform.event()
+                done.record()
+            return _Launched(step, [], None, None, None, None, done=done, prompt_logprobs=prompt_parts)
+        rows = step.sampling if step.every_logit is None else [logit_rows(step)[i] for i in step.sampling]
+        if rows != list(range(logits.shape[0])):
+            logits = logits[rows]
         params = [r.params for r in requests]
         history = self._token_history(requests, logits.shape[-1]) if any(p.adjusts_logits for p in params) else None
         out = self.runner.sample(logits, params, [len(r.output_ids) + r.num_pending for r in requests], history)
@@ -263,7 +271,7 @@ class Engine:
         to_host = [None if t is None else t.to("cpu", non_blocking=True) for t in outputs]
         done = self.runner.platform.event()
         done.record()
-        return _Launched(step, requests, *to_host, done=done)
+        return _Launched(step, requests, *to_host, done=done, prompt_logprobs=prompt_parts)
 
     def _token_history(self, requests: list[Request], vocab_size: int) -> TokenHistory:
         """What penalties and min_tokens read: each request's tokens, and the device's counts of them (penalties).
@@ -286,8 +294,11 @@ class Engine:
         if launched is None:
             return []
         updated: list[Request] = []
-        if launched.requests:
+        if launched.done is not None:
             launched.done.synchronize()
+        for part in launched.prompt_logprobs:
+            part.write()
+        if launched.requests:
             updated = self._append_tokens(launched)
         now, mode = time.perf_counter(), launched.step.batch.mode
         if mode is ForwardMode.DECODE and self._last_completion is not None:
@@ -310,6 +321,9 @@ class Engine:
             if req.finished:
                 continue  # it stopped at an earlier step; this token was computed ahead of knowing that
             updated.append(req)
+            if req.params.max_new_tokens == 0:  # the prompt only (its logprobs): the token is not wanted
+                self._finish(req, FinishReason.LENGTH)
+                continue
             req.output_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now

@@ -40,6 +40,9 @@ class StreamDelta:
     finish_reason: str | None
     logprobs: list[float] | None = None  # of each new token, when SamplingParams.logprobs is set
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob) of the top-n, when n > 0
+    # The prompt's logprobs (RequestOutput's), with the request's first delta, when SamplingParams.prompt_logprobs
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def then(self, later: StreamDelta) -> StreamDelta:
         """This delta followed by `later` (of the same request) as one: what a reader that fell behind by a step
@@ -56,6 +59,8 @@ class StreamDelta:
             later.finish_reason,
             joined(self.logprobs, later.logprobs),
             joined(self.top_logprobs, later.top_logprobs),
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            self.prompt_top_logprobs if self.prompt_top_logprobs is not None else later.prompt_top_logprobs,
         )
 
 
@@ -65,6 +70,7 @@ class _Subscriber:
     stream: bool
     sent_tokens: int = 0
     sent_text: int = 0
+    sent_prompt_logprobs: bool = False
 
     def delta(self, req: Request) -> StreamDelta | None:
         """The tokens and text of `req` not sent yet (None when there is nothing new and it has not finished)."""
@@ -82,7 +88,11 @@ class _Subscriber:
             top = req.top_logprobs[self.sent_tokens :] if req.params.logprobs else None
         self.sent_tokens = len(req.output_ids)
         reason = req.finish_reason.value if req.finished else None
-        return StreamDelta(req.request_id, tokens, text, reason, logprobs, top)
+        delta = StreamDelta(req.request_id, tokens, text, reason, logprobs, top)
+        if req.prompt_logprobs is not None and not self.sent_prompt_logprobs:  # complete once a token or the end came
+            delta.prompt_logprobs, delta.prompt_top_logprobs = list(req.prompt_logprobs), req.prompt_top_logprobs
+            self.sent_prompt_logprobs = True
+        return delta
 
 
 @dataclasses.dataclass

@@ -38,11 +38,25 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: per prompt position (None for the first, and until computed), filled by
+    # position, so that recomputing a prompt after a preemption writes the same values again.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     num_preemptions: int = 0
     # Timestamps (time.perf_counter) for latency reports.
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+            self.prompt_top_logprobs = [None] * len(self.prompt_ids) if self.params.prompt_logprobs else None
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether the tokens of its next prefill chunk need their logits (prompt logprobs not all computed yet)."""
+        return self.prompt_logprobs is not None and self.num_cached < len(self.prompt_ids) - 1
 
     @property
     def all_ids(self) -> list[int]:
@@ -81,6 +95,9 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None  # of each output token, when SamplingParams.logprobs is set
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob) of the top-n at each step
+    # Of each prompt token (None for the first), and the top-n at each prompt position, with prompt_logprobs set.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     num_preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     ttft_s: float | None = None  # time to first token
@@ -97,6 +114,8 @@ class RequestOutput:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             logprobs=list(req.logprobs) if wants_logprobs else None,
             top_logprobs=[list(t) for t in req.top_logprobs] if wants_logprobs and req.params.logprobs else None,
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            prompt_top_logprobs=None if req.prompt_top_logprobs is None else list(req.prompt_top_logprobs),
             num_preemptions=req.num_preemptions,
             cached_tokens=req.cached_tokens,
             ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,

@@ -42,6 +42,9 @@ class ScheduledStep:
     # Some requests of this decode step feed a token still on the device (pending): their input id is
     # PENDING_TOKEN, for the engine to replace with the token the sampler left for their row.
     has_pending_inputs: bool = False
+    # Per request of a prefill step: whether the logits of each of its new tokens come back (prompt logprobs), not
+    # only its last token's (None: none does; see omnirun.batch.logit_counts).
+    every_logit: list[bool] | None = None
 
 
 PENDING_TOKEN = -1
@@ -143,12 +146,14 @@ class Scheduler:
             self.num_cached_tokens += req.num_cached
             if req.num_preemptions == 0:
                 req.cached_tokens = req.num_cached
+        every_logit = [r.needs_prompt_logits for r, _ in chosen]
         batch = build_batch(
             self.kv,
             [r.row for r, _ in chosen],
             [r.num_cached for r, _ in chosen],
             [r.all_ids[r.num_cached : r.num_cached + n] for r, n in chosen],
             self.device,
+            every_logit=every_logit,
         )
         assert batch is not None, "pages were counted before building the batch"
         for req, n in chosen:
@@ -156,7 +161,7 @@ class Scheduler:
             self.num_prefill_tokens += n
         requests = [r for r, _ in chosen]
         sampling = [i for i, r in enumerate(requests) if r.num_cached == r.num_tokens]
-        return ScheduledStep(batch, requests, sampling)
+        return ScheduledStep(batch, requests, sampling, every_logit=every_logit if any(every_logit) else None)
 
     def _admit(self, req: Request) -> bool:
         """Give a waiting request a row, starting with the pages of its longest cached prefix; False: no row."""
@@ -167,7 +172,9 @@ class Scheduler:
         cache = self.kv.prefix_cache
         if cache is not None:
             tokens = req.all_ids
-            pages, node = cache.match(tokens, len(tokens) - 1)  # its last token is computed, for the logits
+            # Its last token is computed, for the logits; with prompt logprobs, every token whose logits are missing.
+            limit = len(tokens) - 1 if not req.needs_prompt_logits else 0
+            pages, node = cache.match(tokens, limit)
             cache.lock(node)
             self.kv.share_prefix(row, pages)
             req.cache_node, req.num_cached = node, len(pages) * self.kv.page_size
@@ -179,7 +186,7 @@ class Scheduler:
 
     def _computed_alongside(self, req: Request, chosen: list[tuple[Request, int]]) -> bool:
         """Whether a request of this step computes the next SHARE_SPAN tokens of `req`, which the cache lacks."""
-        if self.kv.prefix_cache is None:
+        if self.kv.prefix_cache is None or req.needs_prompt_logits:
             return False
         start = req.num_cached
         span = max(SHARE_SPAN, self.kv.page_size)

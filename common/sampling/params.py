@@ -30,6 +30,9 @@ class SamplingParams:
     temperature=0 for greedy (the `omnirun generate` CLI is greedy unless --temperature is given).
     temperature 0 (or top_k 1) means greedy. top_k -1 or 0 turns top-k off, top_p 1 turns nucleus sampling off,
     min_p 0 turns min-p off. logprobs: None for none, 0 for the chosen token's logprob, n for also the top n.
+    prompt_logprobs, the same for each prompt token after the first (computed in the prefill, which then reads no
+    prefix from the prefix cache: every prompt token's logits are recomputed); max_new_tokens 0 then returns them
+    with no new token.
     presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) subtract once / once per occurrence for every
     token already in the output; repetition_penalty (HF's and vLLM's, > 0, 1 off) divides the positive logits and
     multiplies the negative ones of every token in the prompt or the output; logit_bias adds to the logits of the
@@ -46,6 +49,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -56,8 +60,10 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
-            raise _bad("max_new_tokens", self.max_new_tokens, "an int >= 1, or None for up to the context length")
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 0):
+            raise _bad(
+                "max_new_tokens", self.max_new_tokens, "an int >= 0 (0: the prompt only), or None for up to the context"
+            )
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise _bad("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
@@ -70,6 +76,8 @@ class SamplingParams:
             raise _bad("seed", self.seed, "an int, or None for an unseeded request")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise _bad("logprobs", self.logprobs, "an int >= 0 (0: chosen token only), or None for no logprobs")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise _bad("prompt_logprobs", self.prompt_logprobs, "an int >= 0 (0: each prompt token's only), or None")
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "True or False")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -91,6 +99,7 @@ class SamplingParams:
         self.min_p = float(self.min_p)
         self.seed = None if self.seed is None else int(self.seed)
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
+        self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         self.presence_penalty = float(self.presence_penalty)

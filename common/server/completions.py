@@ -58,33 +58,54 @@ def _prepare(
     return prompts, requests, echoes
 
 
-def _logprobs(name: Callable[[int], str], choice: Choice, start: int, offset: int, n_top: int) -> CompletionLogprobs:
-    """Logprobs of the tokens from `start` on; text offsets count from `offset` (the echoed prompt's length)."""
-    tokens = [name(t) for t in choice.token_ids[start:]]
+def _logprobs(
+    name: Callable[[int], str],
+    token_ids: list[int],
+    chosen: list[float | None],
+    top: list[list[tuple[int, float]] | None] | None,
+    offset: int,
+) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs of these tokens (the top n where `top` is given, else each token's own); text
+    offsets count from `offset`. A None logprob (a prompt's first token) has no top either."""
+    tokens = [name(t) for t in token_ids]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    if n_top:
-        top = [{name(t): v for t, v in step} for step in choice.top_logprobs[start:]]
+    if top is not None:
+        tops = [None if step is None else {name(t): v for t, v in step} for step in top]
     else:  # logprobs=0: the chosen token only
-        top = [{tok: v} for tok, v in zip(tokens, choice.logprobs[start:], strict=True)]
+        tops = [None if v is None else {tok: v} for tok, v in zip(tokens, chosen, strict=True)]
+    return CompletionLogprobs(text_offset=offsets, token_logprobs=chosen, tokens=tokens, top_logprobs=tops)
+
+
+def _choice_logprobs(
+    name: Callable[[int], str], choice: Choice, start: int, offset: int, n_top: int, prompt: list[int] | None
+) -> CompletionLogprobs:
+    """The logprobs of the choice's tokens from `start` on, after those of the echoed `prompt` when given."""
+    out = _logprobs(
+        name, choice.token_ids[start:], choice.logprobs[start:], choice.top_logprobs[start:] if n_top else None, offset
+    )
+    if prompt is None:
+        return out
+    echoed = _logprobs(name, prompt, choice.prompt_logprobs, choice.prompt_top_logprobs, 0)
     return CompletionLogprobs(
-        text_offset=offsets, token_logprobs=choice.logprobs[start:], tokens=tokens, top_logprobs=top
+        text_offset=echoed.text_offset + out.text_offset,
+        token_logprobs=echoed.token_logprobs + out.token_logprobs,
+        tokens=echoed.tokens + out.tokens,
+        top_logprobs=echoed.top_logprobs + out.top_logprobs,
     )
 
 
 async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: ServerState):
     model = state.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise OpenAIError(
-            400, "echo with logprobs needs the prompt's logprobs, which omnirun does not compute", param="echo"
-        )
     if body.echo and state.engine.tokenizer is None:
         raise OpenAIError(
             400, "echo needs a tokenizer, and this server has none (start it with --tokenizer)", param="echo"
         )
-    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+    # echo with logprobs: the prompt's too, as lm-evaluation-harness's log-likelihood tasks read them.
+    prompt_logprobs = body.logprobs if body.echo else None
+    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
     # A prompt of megabytes takes seconds to tokenize (and its ids to check): in a worker thread, so that the event
     # loop goes on answering /health and streaming meanwhile (the tokenizer's Rust half releases the GIL).
     prompts, requests, echoes = await asyncio.to_thread(_prepare, state, body, params)
@@ -106,13 +127,8 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
                         echo = echoes[index // body.n] if first else ""
                         logprobs = None
                         if body.logprobs is not None:
-                            logprobs = _logprobs(
-                                name,
-                                choice,
-                                start,
-                                len(echo),
-                                body.logprobs,
-                            )
+                            echoed = prompts[index // body.n] if first and body.echo else None
+                            logprobs = _choice_logprobs(name, choice, start, len(echo), body.logprobs, echoed)
                         out = CompletionChoice(
                             index=index,
                             text=echo + (delta.text or ""),
@@ -135,7 +151,10 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
     out = []
     for index, choice in enumerate(choices):
         echo = echoes[index // body.n]
-        logprobs = None if body.logprobs is None else _logprobs(name, choice, 0, len(echo), body.logprobs)
+        logprobs = None
+        if body.logprobs is not None:
+            echoed = prompts[index // body.n] if body.echo else None
+            logprobs = _choice_logprobs(name, choice, 0, len(echo), body.logprobs, echoed)
         out.append(
             CompletionChoice(
                 index=index, text=echo + choice.text, logprobs=logprobs, finish_reason=choice.finish_reason

@@ -25,7 +25,9 @@ from omnirun.server.protocol import PromptTokensDetails, UsageInfo
 DONE = "data: [DONE]\n\n"
 
 
-def sampling_params(body: Any, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: Any, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """The SamplingParams of a completions or chat body (SamplingParamsError, a 400, for bad values)."""
     bias = None
     if body.logit_bias:
@@ -41,6 +43,7 @@ def sampling_params(body: Any, *, max_tokens: int | None, logprobs: int | None) 
         min_p=body.min_p,
         seed=body.seed,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop=body.stop or None,
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
@@ -71,6 +74,8 @@ class Choice:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[float | None] | None = None  # with SamplingParams.prompt_logprobs (the first delta's)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def add(self, delta: StreamDelta) -> None:
         self.token_ids += delta.token_ids
@@ -78,6 +83,8 @@ class Choice:
         self.logprobs += delta.logprobs or []
         self.top_logprobs += delta.top_logprobs or []
         self.finish_reason = delta.finish_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
 
 
 async def collect(group: RequestGroup) -> list[Choice]:

@@ -73,7 +73,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[int] | list[Text] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: the prompt only (echo, its logprobs)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
