@@ -1,6 +1,7 @@
 """The FastAPI application of `omnirun serve`: OpenAI's routes over one engine (an LLM, or an EngineProcess).
 
-/v1/completions, /v1/chat/completions and /v1/models (behind the API key when one is set), /health, /metrics.
+/v1/completions, /v1/chat/completions, /v1/responses and /v1/models (behind the API key when one is set),
+/health, /metrics.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from omnirun.server.protocol import (
     ModelList,
     now,
 )
+from omnirun.server.responses import create_response
+from omnirun.server.responses_protocol import ResponsesRequest, ResponsesResponse
 from omnirun.server.state import ServerState
+from omnirun.server.tool_parsers import get_tool_parser
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -58,12 +62,15 @@ def create_app(
     api_key: str | None = None,
     max_queued_requests: int | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The server's app over an open LLM, or an EngineProcess (which stays the caller's to close). A request body
-    over `max_request_bytes` is answered with 413 before it is parsed."""
+    over `max_request_bytes` is answered with 413 before it is parsed. `tool_call_parser` (a name of
+    tool_parsers.TOOL_PARSERS) reads tool calls out of chat output when a request sends tools."""
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     engine = AsyncEngine(llm, max_queued_requests=max_queued_requests)
     client = engine.client
-    state = ServerState(engine, served_model_name or client.facts.model, api_key)
+    state = ServerState(engine, served_model_name or client.facts.model, api_key, tool_parser=parser)
     metrics = ServerMetrics(engine)
     app = FastAPI(title="omnirun", description="OpenAI-compatible server over the omnirun engine")
     app.state.server = state
@@ -79,6 +86,10 @@ def create_app(
     @v1.post("/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(body, raw, state)
+
+    @v1.post("/responses", response_model=ResponsesResponse)
+    async def responses(body: ResponsesRequest, raw: Request):
+        return await create_response(body, raw, state)
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
