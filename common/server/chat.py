@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -29,9 +31,14 @@ from omnirun.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatFunctionCall,
+    ChatFunctionCallDelta,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    ChatToolCall,
+    ChatToolCallDelta,
     ContentPart,
     TokenLogprob,
     TopLogprob,
@@ -40,6 +47,7 @@ from omnirun.server.protocol import (
 )
 from omnirun.server.state import ServerState
 from omnirun.server.tokenize import encode_checked
+from omnirun.server.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolParser
 
 
 def _content(content: str | list[ContentPart] | None, index: int) -> str:
@@ -56,14 +64,70 @@ def _content(content: str | list[ContentPart] | None, index: int) -> str:
     return "".join(texts)
 
 
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as HF chat templates take it: a tool call's arguments as a dict (Qwen's and Llama's templates write
+    them with `tojson`; vLLM passes dicts too), and the id of the call a tool message answers."""
+    out: dict[str, Any] = {"role": message.role, "content": _content(message.content, index)}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(call.function.arguments, f"messages[{index}].tool_calls[{j}]"),
+                },
+            }
+            for j, call in enumerate(message.tool_calls)
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        message = f"{where}.function.arguments is not a JSON object: send the arguments the call was returned with"
+        raise OpenAIError(400, message, param="messages")
+    return value
+
+
+def tool_parser_for(state: ServerState, body: ChatCompletionRequest) -> ToolParser | None:
+    """The parser that reads this request's output for tool calls; None: the output is all content."""
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    if choice == "none":
+        return None
+    if not body.tools:
+        raise OpenAIError(400, "tool_choice needs tools: send tools, or leave tool_choice out", param="tool_choice")
+    if choice != "auto":
+        what = "'required'" if choice == "required" else f"naming a function ({choice.function.name!r})"
+        message = f"tool_choice {what} needs grammar-constrained decoding, which omnirun does not have yet: use 'auto'"
+        raise OpenAIError(400, message, param="tool_choice")
+    if state.tool_parser is None:
+        names = ", ".join(TOOL_PARSERS)
+        message = (
+            f"tool_choice 'auto' (the default with tools) needs a tool call parser: start the server with "
+            f"--tool-call-parser ({names}), or send tool_choice 'none'"
+        )
+        raise OpenAIError(400, message, param="tool_choice")
+    return state.tool_parser
+
+
 def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     """The templated prompt's token ids (blocking: run it off the event loop, as _prepare does)."""
     tokenizer = state.engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
-    messages = [{"role": m.role, "content": _content(m.content, i)} for i, m in enumerate(body.messages)]
+    messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=body.add_generation_prompt
+        )
     except Exception as exc:  # jinja raises for templates that refuse a role order, say
         raise OpenAIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
 
@@ -93,11 +157,39 @@ def _logprobs(name: Callable[[int], str], choice: Choice, start: int, n_top: int
     return ChatLogprobs(content=content)
 
 
+def _message(choice: Choice, parser: ToolParser | None) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message and finish reason: "tool_calls" when the parser found calls (as vLLM says)."""
+    if parser is None:
+        return ChatResponseMessage(content=choice.text), choice.finish_reason
+    content, calls = parser.parse(choice.text)
+    if not calls:
+        return ChatResponseMessage(content=content), choice.finish_reason
+    tool_calls = [
+        ChatToolCall(id=parser.new_call_id(), function=ChatFunctionCall(name=call.name, arguments=call.arguments))
+        for call in calls
+    ]
+    return ChatResponseMessage(content=content, tool_calls=tool_calls), "tool_calls"
+
+
+def _chat_delta(parsed: ParsedDelta) -> ChatDelta:
+    calls = [
+        ChatToolCallDelta(
+            index=call.index,
+            id=call.id,
+            type="function" if call.id is not None else None,
+            function=ChatFunctionCallDelta(name=call.name, arguments=call.arguments),
+        )
+        for call in parsed.tool_calls
+    ]
+    return ChatDelta(content=parsed.content or (None if calls else ""), tool_calls=calls or None)
+
+
 async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, state: ServerState):
     model = state.check_model(body.model)
     if body.top_logprobs and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_top = body.top_logprobs or 0
+    parser = tool_parser_for(state, body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, max_tokens=max_tokens, logprobs=n_top if body.logprobs else None)
     # The template and the tokenizer take seconds for a prompt of megabytes: in a worker thread, so that the event
@@ -112,6 +204,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
 
         async def events() -> AsyncIterator[str]:
             choices = [Choice() for _ in requests]
+            streams = [parser.stream() for _ in requests] if parser is not None else None
             try:
                 async with group:
                     for index in range(len(requests)):  # the role first, as OpenAI does
@@ -121,11 +214,16 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
                         start = len(choices[index].token_ids)
                         choices[index].add(delta)
                         logprobs = _logprobs(name, choices[index], start, n_top) if body.logprobs else None
+                        finish_reason, out_delta = delta.finish_reason, ChatDelta(content=delta.text or "")
+                        if streams is not None:
+                            parsed = streams[index].feed(delta.text or "", last=finish_reason is not None)
+                            if not parsed and logprobs is None and finish_reason is None:
+                                continue  # the parser holds the text back until it knows what it is
+                            out_delta = _chat_delta(parsed)
+                            if finish_reason is not None and streams[index].calls:
+                                finish_reason = "tool_calls"
                         out = ChatStreamChoice(
-                            index=index,
-                            delta=ChatDelta(content=delta.text or ""),
-                            logprobs=logprobs,
-                            finish_reason=delta.finish_reason,
+                            index=index, delta=out_delta, logprobs=logprobs, finish_reason=finish_reason
                         )
                         yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[out]))
             except OmnirunError as exc:  # the engine failed mid-stream: say so, end the stream
@@ -140,14 +238,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     choices = await until_disconnected(raw, collect(group), group)
-    out = [
-        ChatChoice(
-            index=index,
-            message=ChatResponseMessage(content=choice.text),
-            logprobs=_logprobs(name, choice, 0, n_top) if body.logprobs else None,
-            finish_reason=choice.finish_reason,
-        )
-        for index, choice in enumerate(choices)
-    ]
+    out = []
+    for index, choice in enumerate(choices):
+        message, finish_reason = _message(choice, parser)
+        logprobs = _logprobs(name, choice, 0, n_top) if body.logprobs else None
+        out.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason))
     spent = usage([prompt], sum(len(c.token_ids) for c in choices), requests)
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=out, usage=spent)

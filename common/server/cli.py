@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     from omnirun.cli_flags import add_runner_flags
+    from omnirun.server.tool_parsers import TOOL_PARSERS
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (the embedded model by default)")
     add_runner_flags(serve)
@@ -38,6 +39,14 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="largest request body accepted, in bytes; a larger one gets 413 before it is parsed (default: 8 MiB)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the format of the model's tool calls, read out of chat output when a request sends tools (hermes: "
+        "Qwen2.5/Qwen3, llama3_json: Llama 3.1/3.2, mistral: Mistral v0.3); default: none, and chat requests with "
+        "tools get 400 unless tool_choice is 'none'",
     )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument(
@@ -97,6 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_queued_requests=args.max_queued_requests,
             max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+            tool_call_parser=args.tool_call_parser,
         )
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         server = uvicorn.Server(config)

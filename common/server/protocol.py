@@ -7,10 +7,11 @@ Ranges FastAPI cannot express are checked by SamplingParams, whose one-line erro
 
 from __future__ import annotations
 
+import inspect
 import re
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
@@ -83,11 +84,47 @@ class ContentPart(_Request):
     text: Text | None = None  # other kinds of part (image_url, ...) are refused by the chat route
 
 
+class FunctionCallParam(_Request):
+    name: Text
+    arguments: Text  # a JSON object, as text
+
+
+class ToolCallParam(_Request):
+    """A call an earlier assistant message made (sent back with the conversation)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
     # OpenAI's roles ("function" is its deprecated one); the chat template decides what it makes of each.
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's
+    tool_call_id: Text | None = None  # a tool's: the call it answers
+
+
+class FunctionParam(_Request):
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolParam(_Request):
+    type: Literal["function"]
+    function: FunctionParam
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -97,6 +134,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolParam] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 # --- responses ---
@@ -158,16 +198,55 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class ChatFunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ChatFunctionCall
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+# Tool-call fields are left out when None, as OpenAI leaves them out: a message without calls, a stream's pieces
+# without calls, and a call's later pieces, which carry only what they add (a `"type": null` would overwrite the
+# "function" that the OpenAI client's stream accumulator keeps). exclude_if is pydantic 2.12's, which pyproject does
+# not require: before it, they go out as null.
+_LEFT_OUT_WHEN_NONE = {"exclude_if": _is_none} if "exclude_if" in inspect.signature(Field).parameters else {}
+
+
+def _omitted() -> Any:
+    return Field(None, **_LEFT_OUT_WHEN_NONE)
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ChatToolCall] | None = _omitted()
+
+
+class ChatFunctionCallDelta(BaseModel):
+    name: str | None = _omitted()
+    arguments: str | None = _omitted()
+
+
+class ChatToolCallDelta(BaseModel):
+    index: int
+    id: str | None = _omitted()
+    type: Literal["function"] | None = _omitted()
+    function: ChatFunctionCallDelta
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -182,13 +261,14 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ChatToolCallDelta] | None = _omitted()
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -7,6 +7,7 @@ import dataclasses
 from omnirun.server.async_engine import AsyncEngine
 from omnirun.server.errors import OpenAIError
 from omnirun.server.generation import TokenText
+from omnirun.server.tool_parsers import ToolParser
 
 
 @dataclasses.dataclass
@@ -14,6 +15,7 @@ class ServerState:
     engine: AsyncEngine
     served_model_name: str
     api_key: str | None = None
+    tool_parser: ToolParser | None = None  # --tool-call-parser: how chat output with tools is read for calls
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.engine.tokenizer)
