@@ -155,7 +155,9 @@ class ModelRunner:
             self.graph_runner = self._make_graph_runner()
             self.kv = self._init_kv_memory()
             self.attention = self._init_attention()
-            self.sampler = Sampler(self.ops.argmax, self.ops.sample, self.ops.apply_penalties)
+            self.sampler = Sampler(
+                self.ops.argmax, self.ops.sample, self.ops.apply_penalties, self.ops.apply_token_bitmask
+            )
             if self.graph_runner is not None:
                 self.graph_runner.capture(progress=config.progress)
         except BaseException:
@@ -404,13 +406,18 @@ class ModelRunner:
         params: Sequence[SamplingParams],
         token_index: Sequence[int],
         history: TokenHistory | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SampleOutput:
         """Next token per request; token_index[i] counts request i's output tokens so far (seeded sampling,
-        min_tokens). `history` (the requests' tokens, EOS ids) is what penalties and min_tokens read."""
-        if all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params):
+        min_tokens). `history` (the requests' tokens, EOS ids) is what penalties and min_tokens read;
+        `token_bitmask` (on the logits' device) the tokens each request's grammar allows."""
+        if token_bitmask is None and all(p.greedy and p.logprobs is None and not p.adjusts_logits for p in params):
             # The common serving case needs no per-request tensors at all (each would be a host-to-device copy).
             return SampleOutput(token_ids=self.sampler.greedy(logits))
-        batch = SamplingBatch.build(params, token_index, logits.device, vocab_size=logits.shape[-1], history=history)
+        vocab = logits.shape[-1]
+        batch = SamplingBatch.build(
+            params, token_index, logits.device, vocab_size=vocab, history=history, token_bitmask=token_bitmask
+        )
         return self.sampler(logits, batch)
 
     # --- weights ---

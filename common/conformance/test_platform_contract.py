@@ -240,6 +240,12 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
         rows = torch.tensor([4, 0, 4, 2], device=device)
         penalties = torch.tensor([[1.0, 1.5, 0.7, 1.2], [0.0, 0.4, -0.3, 1.1], [0.0, -1.0, 0.5, 0.2]], device=device)
         return rand(4, 1_000, scale=3.0), counts, prompt_seen, rows, *penalties
+    if name == "apply_token_bitmask":
+        # Rows all allowed, none, every other token, and a random third; a vocabulary that ends mid-word.
+        words = (1_000 + 31) // 32
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=gen, dtype=torch.int32)
+        bitmask[0], bitmask[1], bitmask[2] = -1, 0, 0x55555555
+        return rand(4, 1_000, scale=3.0), bitmask.to(device)
     if name == "fused_moe":
         # 7 tokens over 4 experts, top 2: expert 0 takes every token, expert 3 none.
         logits = torch.randn(7, 4, generator=gen)

@@ -27,7 +27,9 @@ from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
 from omnirun.memory.radix_cache import RadixCache
 from omnirun.runner import ModelRunner
 from omnirun.sampling import SamplingParams, TokenHistory
+from omnirun.sampling.token_bitmask import allocate_token_bitmask
 from omnirun.sampling.token_counts import TokenCounts
+from omnirun.structured import LazyGrammarBackend, StructuredOutputError
 
 # Tokens one prefill step may compute, and the largest piece of one prompt per step, when not configured.
 DEFAULT_MAX_PREFILL_TOKENS = 8192
@@ -129,6 +131,8 @@ class Engine:
         # time is from the previous step's completion to its own; bounded so a long-lived engine does not grow.
         self.decode_steps: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=100_000)
         self._last_completion: tuple[float, ForwardMode] | None = None
+        # Structured output's constraints, compiled and tracked over this tokenizer.
+        self.grammars = LazyGrammarBackend(tokenizer, runner.shape.vocab_size, sorted(self.eos_token_ids))
 
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, detokenize: bool = False) -> Request:
         """A checked request, not yet queued (safe from any thread: it reads only fixed facts of the model).
@@ -141,10 +145,17 @@ class Engine:
         detokenizer = None
         if self.tokenizer is not None and (detokenize or params.stop):
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
-        return Request(next(self._ids), prompt_ids, params, detokenizer=detokenizer, arrival_time=time.perf_counter())
+        arrival = time.perf_counter()
+        request = Request(next(self._ids), prompt_ids, params, detokenizer=detokenizer, arrival_time=arrival)
+        if params.structured_output is not None:  # compiled here, in the caller's thread, not in the engine loop
+            request.grammar = self.grammars.matcher(params.structured_output)
+        return request
 
     def add(self, request: Request) -> None:
-        """Queue a request made by `make_request`."""
+        """Queue a request made by `make_request` (or one sent by an engine process's parent, whose grammar is
+        compiled here)."""
+        if request.params.structured_output is not None and request.grammar is None:
+            request.grammar = self.grammars.matcher(request.params.structured_output)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -227,12 +238,21 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Advance by one step; returns the requests that received a token (finished ones included)."""
+        if self.overlap and self._in_flight is not None and any(r.grammar is not None for r in self.requests.values()):
+            # A grammar's next mask needs its previous token on the host: no step runs ahead while one is live.
+            previous, self._in_flight = self._in_flight, None
+            done = self._complete(previous)
+            return done + [r for r in self._step_now() if r not in done]
         step = self.scheduler.schedule()
         launched = self._launch(step) if step is not None else None
         if not self.overlap:
             return self._complete(launched)
         previous, self._in_flight = self._in_flight, launched
         return self._complete(previous)
+
+    def _step_now(self) -> list[Request]:
+        step = self.scheduler.schedule()
+        return self._complete(self._launch(step) if step is not None else None)
 
     def _launch(self, step: ScheduledStep) -> _Launched:
         """Queue the forward pass and sampling of `step` and the copy of its tokens to the host; wait for nothing."""
@@ -257,7 +277,9 @@ class Engine:
             logits = logits[rows]
         params = [r.params for r in requests]
         history = self._token_history(requests, logits.shape[-1]) if any(p.adjusts_logits for p in params) else None
-        out = self.runner.sample(logits, params, [len(r.output_ids) + r.num_pending for r in requests], history)
+        bitmask = self._token_bitmask(requests, logits)
+        token_index = [len(r.output_ids) + r.num_pending for r in requests]
+        out = self.runner.sample(logits, params, token_index, history, token_bitmask=bitmask)
         if history is not None and history.kept is not None:
             self._token_counts.add(history.kept, out.token_ids)
         for req in requests:
@@ -272,6 +294,17 @@ class Engine:
         done = self.runner.platform.event()
         done.record()
         return _Launched(step, requests, *to_host, done=done, prompt_logprobs=prompt_parts)
+
+    @staticmethod
+    def _token_bitmask(requests: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
+        """The tokens each request's grammar allows next (None when no request has one), on the logits' device."""
+        if all(r.grammar is None for r in requests):
+            return None
+        bitmask = allocate_token_bitmask(len(requests), logits.shape[-1])
+        for row, req in enumerate(requests):
+            if req.grammar is not None:
+                req.grammar.fill_bitmask(bitmask, row)
+        return bitmask.to(logits.device, non_blocking=True)
 
     def _token_history(self, requests: list[Request], vocab_size: int) -> TokenHistory:
         """What penalties and min_tokens read: each request's tokens, and the device's counts of them (penalties).
@@ -325,6 +358,8 @@ class Engine:
                 self._finish(req, FinishReason.LENGTH)
                 continue
             req.output_ids.append(token)
+            if req.grammar is not None and not req.grammar.accept_token(token):
+                raise StructuredOutputError(f"request {req.request_id}: its grammar refused token {token} it allowed")
             if req.first_token_time is None:
                 req.first_token_time = now
             n_top = req.params.logprobs
@@ -333,6 +368,8 @@ class Engine:
                 if n_top:
                     req.top_logprobs.append(list(zip(top_ids[i][:n_top], top_values[i][:n_top], strict=True)))
             self._check_stop(req, token)
+            if req.grammar is not None and req.grammar.is_terminated() and not req.finished:
+                self._finish(req, FinishReason.STOP)  # the output is complete (its stop token was not an EOS)
         return updated
 
     def _check_stop(self, req: Request, token: int) -> None:

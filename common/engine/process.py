@@ -46,6 +46,7 @@ from omnirun.engine.stats import EngineStats
 from omnirun.engine.tokenizer import load_tokenizer, tokenizer_dir
 from omnirun.errors import EngineClosedError, OmnirunError
 from omnirun.sampling import SamplingParams
+from omnirun.structured import LazyGrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ class EngineProcess:
             self.close(grace_s=0.0)
             raise
         self.facts = ModelFacts(model_name, context_length, vocab_size)
+        # Constraints are compiled here too, so that a bad one is refused before it reaches the child (which compiles
+        # its own matcher; no stop tokens are needed here).
+        self._grammars = LazyGrammarBackend(self.tokenizer, vocab_size, ())
         self.description: dict[str, Any] = description  # device, dtype, KV tokens, running limit, graphs, ...
         self._reader = threading.Thread(target=self._read, name="omnirun-engine-reader", daemon=True)
         self._reader.start()
@@ -124,6 +128,8 @@ class EngineProcess:
         )
         # Text is decoded here, except for requests with stop strings (the child decodes those: see above).
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and not params.stop else None
+        if params.structured_output is not None:
+            self._grammars.matcher(params.structured_output)
         return Request(next(self._ids), prompt_ids, params, detokenizer=detokenizer, arrival_time=time.perf_counter())
 
     def submit(self, requests: Sequence[Request], channel: Any) -> None:

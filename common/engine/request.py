@@ -43,6 +43,8 @@ class Request:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     num_preemptions: int = 0
+    # With SamplingParams.structured_output: its GrammarMatcher (omnirun.structured), advanced by each output token.
+    grammar: Any = None
     # Timestamps (time.perf_counter) for latency reports.
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -11,6 +11,7 @@ from typing import Any
 from omnirun.layers import native_ops
 from omnirun.sampling import adjust as sampling_adjust
 from omnirun.sampling import reference as sampling_reference
+from omnirun.sampling import token_bitmask as sampling_bitmask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,9 @@ class Ops:
     # Repetition, frequency and presence penalties before sampling: (logits [B, V], counts [R, V] int32,
     # prompt_seen [R, V] bool or None, rows [B], repetition, frequency, presence [B]) -> float32 [B, V].
     apply_penalties: Callable[..., Any] = sampling_adjust.apply_penalties
+    # A grammar's constraint before sampling: (logits [B, V], bitmask int32 [B, ceil(V / 32)]) -> [B, V] with the
+    # tokens whose bit is clear at -inf (structured output; omnirun.sampling.token_bitmask).
+    apply_token_bitmask: Callable[..., Any] = sampling_bitmask.apply_token_bitmask
     # Deterministic mode's linear: each row's result independent of the row count (native_ops has the reference).
     batch_invariant_linear: Callable[..., Any] = native_ops.batch_invariant_linear
 

@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass
 
 from omnirun.errors import SamplingParamsError
+from omnirun.structured.spec import GrammarSpec
 
 
 def _bad(field: str, value: object, valid: str) -> SamplingParamsError:
@@ -58,6 +59,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    # What the output must match (omnirun.structured: a JSON schema, any JSON object, a regex, a choice, an EBNF
+    # grammar), enforced token by token by the engine's grammar backend; None: free text.
+    structured_output: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 0):
@@ -88,6 +92,8 @@ class SamplingParams:
             raise _bad("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 turns it off)")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise _bad("min_tokens", self.min_tokens, "an int >= 0")
+        if self.structured_output is not None and not isinstance(self.structured_output, GrammarSpec):
+            raise _bad("structured_output", self.structured_output, "an omnirun.structured.GrammarSpec, or None")
         if self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
             raise _bad("min_tokens", self.min_tokens, f"at most max_new_tokens ({self.max_new_tokens})")
 

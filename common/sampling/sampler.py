@@ -16,7 +16,7 @@ import torch
 from omnirun.errors import SamplingParamsError
 from omnirun.host_to_device import to_device
 from omnirun.layers import native_ops
-from omnirun.sampling import adjust, reference
+from omnirun.sampling import adjust, reference, token_bitmask
 from omnirun.sampling.adjust import LogitAdjustments, TokenHistory
 from omnirun.sampling.counter_rng import row_key
 from omnirun.sampling.params import SamplingParams
@@ -46,6 +46,8 @@ class SamplingBatch:
     any_top_p_alone: bool  # a sampled row has top-p and no top-k (a kernel may list candidates for its nucleus)
     max_logprobs: int  # largest top-n requested (0: chosen token only), -1 when nobody wants logprobs
     adjustments: LogitAdjustments | None = None  # penalties, logit bias, min_tokens (None: no request uses any)
+    # int32 [B, ceil(V / 32)] on the device: each row's tokens a grammar allows next (None: no row is constrained)
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -59,6 +61,7 @@ class SamplingBatch:
         device: torch.device | str,
         vocab_size: int | None = None,
         history: TokenHistory | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         """Collect `params` into tensors on `device`.
 
@@ -102,6 +105,7 @@ class SamplingBatch:
             any_top_p_alone=any(p.top_p < 1 and p.top_k <= 0 for p in sampled),
             max_logprobs=max_logprobs,
             adjustments=adjustments,
+            token_bitmask=token_bitmask,
         )
 
 
@@ -123,15 +127,20 @@ class Sampler:
         argmax: Callable[[torch.Tensor], torch.Tensor] = native_ops.argmax,
         sample: Callable[[torch.Tensor, SamplingBatch], torch.Tensor] = reference.sample,
         apply_penalties: Callable[..., torch.Tensor] = adjust.apply_penalties,
+        apply_token_bitmask: Callable[..., torch.Tensor] = token_bitmask.apply_token_bitmask,
     ):
         # The op table's picks: a platform's kernels, else the torch references.
         self.greedy = argmax
         self.sample = sample
         self.apply_penalties = apply_penalties
+        self.apply_token_bitmask = apply_token_bitmask
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        """Tokens from the logits after the batch's adjustments; logprobs stay those of the raw logits."""
+        """Tokens from the logits after the batch's adjustments and grammars; logprobs stay those of the raw
+        logits."""
         adjusted = logits if batch.adjustments is None else batch.adjustments.apply(logits, self.apply_penalties)
+        if batch.token_bitmask is not None:
+            adjusted = self.apply_token_bitmask(adjusted, batch.token_bitmask)
         token_ids = self.greedy(adjusted)
         if not batch.all_greedy:
             token_ids = torch.where(batch.greedy, token_ids, self.sample(adjusted, batch))

@@ -402,11 +402,13 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
     from omnirun.kernels.triton.moe import fused_moe  # mixtures of experts as two grouped GEMMs, graph-capturable
     from omnirun.kernels.triton.penalties import apply_penalties  # the penalties in one pass over the logits
     from omnirun.kernels.triton.sample import sample  # sort-free sampling (bench/sample_op.py measures it)
+    from omnirun.kernels.triton.token_bitmask import apply_token_bitmask  # a grammar's mask in one pass
 
     return {
         **ops,
         "batch_invariant_linear": batch_invariant_linear,
         "sample": sample,
         "apply_penalties": apply_penalties,
+        "apply_token_bitmask": apply_token_bitmask,
         "fused_moe": fused_moe,
     }
