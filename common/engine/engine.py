@@ -242,7 +242,8 @@ class Engine:
             # A grammar's next mask needs its previous token on the host: no step runs ahead while one is live.
             previous, self._in_flight = self._in_flight, None
             done = self._complete(previous)
-            return done + [r for r in self._step_now() if r not in done]
+            seen = {r.request_id for r in done}
+            return done + [r for r in self._step_now() if r.request_id not in seen]
         step = self.scheduler.schedule()
         launched = self._launch(step) if step is not None else None
         if not self.overlap:
