@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'omnirun[cuda]' or '[rocm]')")
 
+from omnirun.kernels.triton import token_bitmask as triton_token_bitmask  # noqa: E402
 from omnirun.kernels.triton.ops import (  # noqa: E402
     add_rms_norm,
     rms_norm,
@@ -191,12 +192,14 @@ def test_the_op_table_takes_every_kernel():
         "batch_invariant_linear",
         "sample",
         "apply_penalties",
+        "apply_token_bitmask",
         "fused_moe",
     }
     table = resolve_ops(ops)
     assert table.rms_norm is rms_norm and table.rotary_embedding is rotary_embedding
     assert table.sample is triton_sample is not sampling_reference.sample
     assert table.apply_penalties is triton_apply_penalties is not sampling_adjust.apply_penalties
+    assert table.apply_token_bitmask is triton_token_bitmask.apply_token_bitmask
     assert table.linear is native_ops.linear  # what the kernels do not cover stays the reference
     # The batch-invariant matmul serves deterministic mode's linear layers only.
     assert deterministic_ops(table).linear is ops["batch_invariant_linear"] is not native_ops.batch_invariant_linear
