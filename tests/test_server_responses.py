@@ -191,19 +191,18 @@ REFUSED = [
     ({"previous_response_id": "resp_abc"}, "this server keeps no responses", "previous_response_id"),
     ({"conversation": "conv_abc"}, "keeps no conversations", "conversation"),
     ({"background": True}, "keeps no responses to poll", "background"),
-    (
+    (  # tools with tool_choice auto (required and named are served: test_server_structured.py)
         {"tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}]},
-        "tools: tool calling is not built",
-        "tools",
+        "tools with tool_choice 'auto' (the default with tools): reading a model's own calls is not built",
+        "tool_choice",
     ),
-    ({"tool_choice": "required"}, "tool_choice: tool calling is not built", "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
     (
-        {"text": {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}}},
-        "text.format 'json_schema': structured output is not built",
-        "text",
+        {"input": [{"type": "reasoning", "summary": []}]},
+        "only message, function_call and function_call_output",
+        "input",
     ),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format 'json_object'", "text"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "only message items", "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "needs call_id and output", "input"),
     (
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
         "input[0].content[0]: only input_text parts",

@@ -106,9 +106,10 @@ class EngineProcess:
             self.close(grace_s=0.0)
             raise
         self.facts = ModelFacts(model_name, context_length, vocab_size)
-        # Constraints are compiled here too, so that a bad one is refused before it reaches the child (which compiles
-        # its own matcher; no stop tokens are needed here).
-        self._grammars = LazyGrammarBackend(self.tokenizer, vocab_size, ())
+        # Constraints are compiled here too, so that a bad one is refused before it reaches the child, which compiles
+        # the matcher that decodes with the model's EOS ids; this one only checks (xgrammar wants some stop token).
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self._grammars = LazyGrammarBackend(self.tokenizer, vocab_size, [eos if eos is not None else 0])
         self.description: dict[str, Any] = description  # device, dtype, KV tokens, running limit, graphs, ...
         self._reader = threading.Thread(target=self._read, name="omnirun-engine-reader", daemon=True)
         self._reader.start()

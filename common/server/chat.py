@@ -46,6 +46,7 @@ from omnirun.server.protocol import (
     now,
 )
 from omnirun.server.state import ServerState
+from omnirun.server.structured import ForcedCalls, named_call, only_one, output_constraints, required_calls
 from omnirun.server.tokenize import encode_checked
 from omnirun.server.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolParser
 
@@ -97,16 +98,15 @@ def _arguments(text: str, where: str) -> dict[str, Any]:
 
 
 def tool_parser_for(state: ServerState, body: ChatCompletionRequest) -> ToolParser | None:
-    """The parser that reads this request's output for tool calls; None: the output is all content."""
+    """The parser that reads this request's output for tool calls; None: the output is all content, or the calls
+    are forced by the grammar (forced_calls)."""
     choice = body.tool_choice or ("auto" if body.tools else "none")
     if choice == "none":
         return None
     if not body.tools:
         raise OpenAIError(400, "tool_choice needs tools: send tools, or leave tool_choice out", param="tool_choice")
     if choice != "auto":
-        what = "'required'" if choice == "required" else f"naming a function ({choice.function.name!r})"
-        message = f"tool_choice {what} needs grammar-constrained decoding, which omnirun does not have yet: use 'auto'"
-        raise OpenAIError(400, message, param="tool_choice")
+        return None
     if state.tool_parser is None:
         names = ", ".join(TOOL_PARSERS)
         message = (
@@ -115,6 +115,18 @@ def tool_parser_for(state: ServerState, body: ChatCompletionRequest) -> ToolPars
         )
         raise OpenAIError(400, message, param="tool_choice")
     return state.tool_parser
+
+
+def forced_calls(body: ChatCompletionRequest) -> ForcedCalls | None:
+    """tool_choice required or a named function, which the grammar enforces (no parser needed); None otherwise."""
+    if body.tool_choice in (None, "none", "auto") or not body.tools:
+        return None
+    functions: dict[str, dict[str, Any] | None] = {}
+    for tool in body.tools:
+        functions.setdefault(tool.function.name, tool.function.parameters)
+    if body.tool_choice == "required":
+        return required_calls(functions, parallel=body.parallel_tool_calls)
+    return named_call(functions, body.tool_choice.function.name)
 
 
 def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
@@ -157,8 +169,16 @@ def _logprobs(name: Callable[[int], str], choice: Choice, start: int, n_top: int
     return ChatLogprobs(content=content)
 
 
-def _message(choice: Choice, parser: ToolParser | None) -> tuple[ChatResponseMessage, str | None]:
+def _message(
+    choice: Choice, parser: ToolParser | None, forced: ForcedCalls | None
+) -> tuple[ChatResponseMessage, str | None]:
     """A finished choice's message and finish reason: "tool_calls" when the parser found calls (as vLLM says)."""
+    if forced is not None:
+        calls = [
+            ChatToolCall(id=call.id, function=ChatFunctionCall(name=call.name, arguments=call.arguments))
+            for call in forced.calls(choice.text)
+        ]
+        return ChatResponseMessage(content=None, tool_calls=calls or None), forced.finish_reason(choice.finish_reason)
     if parser is None:
         return ChatResponseMessage(content=choice.text), choice.finish_reason
     content, calls = parser.parse(choice.text)
@@ -171,7 +191,8 @@ def _message(choice: Choice, parser: ToolParser | None) -> tuple[ChatResponseMes
     return ChatResponseMessage(content=content, tool_calls=tool_calls), "tool_calls"
 
 
-def _chat_delta(parsed: ParsedDelta) -> ChatDelta:
+def _chat_delta(parsed: ParsedDelta, forced: bool) -> ChatDelta:
+    """A parsed piece as chat's delta; content null beside calls, and all along when the calls are forced."""
     calls = [
         ChatToolCallDelta(
             index=call.index,
@@ -181,7 +202,7 @@ def _chat_delta(parsed: ParsedDelta) -> ChatDelta:
         )
         for call in parsed.tool_calls
     ]
-    return ChatDelta(content=parsed.content or (None if calls else ""), tool_calls=calls or None)
+    return ChatDelta(content=parsed.content or (None if calls or forced else ""), tool_calls=calls or None)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, state: ServerState):
@@ -189,11 +210,15 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
     if body.top_logprobs and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_top = body.top_logprobs or 0
-    parser = tool_parser_for(state, body)
+    parser, forced = tool_parser_for(state, body), forced_calls(body)
+    constraint = only_one(output_constraints(body) + ([forced.constraint] if forced is not None else []))
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=n_top if body.logprobs else None)
-    # The template and the tokenizer take seconds for a prompt of megabytes: in a worker thread, so that the event
-    # loop goes on answering /health and streaming meanwhile (the tokenizer's Rust half releases the GIL).
+    params = sampling_params(
+        body, max_tokens=max_tokens, logprobs=n_top if body.logprobs else None, structured_output=constraint
+    )
+    # The template and the tokenizer take seconds for a prompt of megabytes, and a large schema to compile: in a
+    # worker thread, so that the event loop goes on answering /health and streaming meanwhile (the tokenizer's Rust
+    # half releases the GIL).
     prompt, requests = await asyncio.to_thread(_prepare, state, body, params)
     group = state.engine.submit(requests)
     name = state.token_namer(body.return_tokens_as_token_ids)
@@ -204,11 +229,13 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
 
         async def events() -> AsyncIterator[str]:
             choices = [Choice() for _ in requests]
-            streams = [parser.stream() for _ in requests] if parser is not None else None
+            reader = forced if forced is not None else parser
+            streams = [reader.stream() for _ in requests] if reader is not None else None
             try:
                 async with group:
-                    for index in range(len(requests)):  # the role first, as OpenAI does
-                        first = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+                    for index in range(len(requests)):  # the role first, as OpenAI does (content null before calls)
+                        role = ChatDelta(role="assistant", content=None if forced is not None else "")
+                        first = ChatStreamChoice(index=index, delta=role)
                         yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[first]))
                     async for index, delta in group:
                         start = len(choices[index].token_ids)
@@ -219,8 +246,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
                             parsed = streams[index].feed(delta.text or "", last=finish_reason is not None)
                             if not parsed and logprobs is None and finish_reason is None:
                                 continue  # the parser holds the text back until it knows what it is
-                            out_delta = _chat_delta(parsed)
-                            if finish_reason is not None and streams[index].calls:
+                            out_delta = _chat_delta(parsed, forced is not None)
+                            if forced is not None:
+                                finish_reason = forced.finish_reason(finish_reason)
+                            elif finish_reason is not None and streams[index].calls:
                                 finish_reason = "tool_calls"
                         out = ChatStreamChoice(
                             index=index, delta=out_delta, logprobs=logprobs, finish_reason=finish_reason
@@ -240,7 +269,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
     choices = await until_disconnected(raw, collect(group), group)
     out = []
     for index, choice in enumerate(choices):
-        message, finish_reason = _message(choice, parser)
+        message, finish_reason = _message(choice, parser, forced)
         logprobs = _logprobs(name, choice, 0, n_top) if body.logprobs else None
         out.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason))
     spent = usage([prompt], sum(len(c.token_ids) for c in choices), requests)

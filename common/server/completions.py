@@ -32,6 +32,7 @@ from omnirun.server.protocol import (
     now,
 )
 from omnirun.server.state import ServerState
+from omnirun.server.structured import only_one, output_constraints
 from omnirun.server.tokenize import encode_checked
 
 
@@ -105,9 +106,16 @@ async def create_completion(body: CompletionRequest, raw: HTTPRequest, state: Se
         )
     # echo with logprobs: the prompt's too, as lm-evaluation-harness's log-likelihood tasks read them.
     prompt_logprobs = body.logprobs if body.echo else None
-    params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
-    # A prompt of megabytes takes seconds to tokenize (and its ids to check): in a worker thread, so that the event
-    # loop goes on answering /health and streaming meanwhile (the tokenizer's Rust half releases the GIL).
+    params = sampling_params(
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured_output=only_one(output_constraints(body)),
+    )
+    # A prompt of megabytes takes seconds to tokenize (and its ids to check), a large schema seconds to compile: in a
+    # worker thread, so that the event loop goes on answering /health and streaming meanwhile (the tokenizer's Rust
+    # half releases the GIL).
     prompts, requests, echoes = await asyncio.to_thread(_prepare, state, body, params)
     group = state.engine.submit(requests)
     name = state.token_namer(body.return_tokens_as_token_ids)

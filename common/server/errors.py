@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from omnirun.errors import ConfigError, EngineClosedError, EngineStepError, SamplingParamsError
 from omnirun.server.async_engine import QueueFullError
 from omnirun.server.protocol import OUR_CHECKS
+from omnirun.structured import StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ConfigError)
     @app.exception_handler(SamplingParamsError)
+    @app.exception_handler(StructuredOutputError)  # a constraint that does not compile, raised preparing the request
     async def _bad_value(request: Request, exc: Exception) -> JSONResponse:
         return error_response(400, str(exc))
 

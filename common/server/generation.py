@@ -21,14 +21,21 @@ from omnirun.sampling import SamplingParams
 from omnirun.server.async_engine import AsyncEngine, RequestGroup
 from omnirun.server.errors import ClientGone, OpenAIError
 from omnirun.server.protocol import PromptTokensDetails, UsageInfo
+from omnirun.structured import GrammarSpec
 
 DONE = "data: [DONE]\n\n"
 
 
 def sampling_params(
-    body: Any, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    body: Any,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    structured_output: GrammarSpec | None = None,
 ) -> SamplingParams:
-    """The SamplingParams of a completions or chat body (SamplingParamsError, a 400, for bad values)."""
+    """The SamplingParams of a completions or chat body (SamplingParamsError, a 400, for bad values);
+    structured_output: what the output must match (server/structured.py reads it from the body)."""
     bias = None
     if body.logit_bias:
         try:
@@ -52,6 +59,7 @@ def sampling_params(
         repetition_penalty=body.repetition_penalty,
         logit_bias=bias,
         min_tokens=body.min_tokens,
+        structured_output=structured_output,
     )
 
 

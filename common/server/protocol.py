@@ -48,6 +48,29 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: Text | None = None  # OpenAI requires a name; vLLM does not, and neither does the grammar
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # (`schema` would shadow BaseModel's)
+    strict: bool | None = None  # enforced either way, as vLLM does
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): one of these; its options are ignored."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None  # EBNF
+    json_object: bool | None = None
+    structural_tag: Any = None  # refused by the route, rather than ignored
+
+
 class _SamplingFields(_Request):
     """What completions and chat share."""
 
@@ -70,6 +93,14 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>" (no decoding)
+    # What the output must match (server/structured.py): OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields; one at most.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -137,6 +168,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolParam] | None = None
     # None: "auto" with tools, "none" without (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: tool_choice required makes one call
 
 
 # --- responses ---

@@ -1,25 +1,32 @@
-"""POST /v1/responses (OpenAI's Responses API), stateless, as vLLM serves it: one assistant message of text.
+"""POST /v1/responses (OpenAI's Responses API), stateless, as vLLM serves it: one assistant message of text, or the
+function calls that a tool_choice `required` or naming a function forces.
 
-`input` (a string, or messages whose content is a string or input_text parts) and `instructions` (a system message
-placed first) become chat messages and go through the tokenizer's chat template exactly as /v1/chat/completions
-sends them; sampling, aborts on a client that went away, and usage are chat's too (generation.py).
+`input` (a string, or messages whose content is a string or input_text parts, and earlier function_call items with
+the function_call_output items that answer them) and `instructions` (a system message placed first) become chat
+messages and go through the tokenizer's chat template exactly as /v1/chat/completions sends them, function `tools`
+with them; sampling, aborts on a client that went away, and usage are chat's too (generation.py).
+
+`text.format` json_schema or json_object constrains the message's text (server/structured.py); tool_choice `required`
+or `{"type": "function", "name": ...}` constrains the output to the calls, as in chat, returned as function_call
+items. Tools with tool_choice `auto` (the default with tools) are refused with a 400 naming those two: this route
+reads no model's own call format.
 
 Nothing is kept: `store` is accepted, true or false, and no response can be retrieved later; a request that needs
-a kept response (previous_response_id, conversation, background) is refused with a 400 saying so. Tools, a
-tool_choice that asks for a tool, and text.format json_schema/json_object are refused with a 400 too, until the
-tool-call parsers and the grammar serve this route (a faked answer would look like support).
+a kept response (previous_response_id, conversation, background) is refused with a 400 saying so.
 
 A stream sends OpenAI's events in order, each with its `event:` line and a sequence_number from 0: response.created,
 response.in_progress, response.output_item.added, response.content_part.added, response.output_text.delta (as the
 engine produces text), response.output_text.done, response.content_part.done, response.output_item.done, then
 response.completed with the whole response (as vLLM does, also when it stopped at max_output_tokens, with status
-incomplete). An engine error mid-stream is an `error` event with chat's error body, and ends the stream.
+incomplete). Forced calls stream each as response.output_item.added (the function_call, arguments empty),
+response.function_call_arguments.delta (as the engine produces them), response.function_call_arguments.done and
+response.output_item.done. An engine error mid-stream is an `error` event with chat's error body, and ends the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -42,12 +49,24 @@ from omnirun.server.generation import (
     until_disconnected,
     usage,
 )
-from omnirun.server.protocol import ChatCompletionRequest, ChatMessage, now
+from omnirun.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCallParam,
+    FunctionParam,
+    ToolCallParam,
+    ToolParam,
+    now,
+)
 from omnirun.server.responses_protocol import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
     ContentPartEvent,
+    FunctionCallItem,
     IncompleteDetails,
     InputContentPart,
     InputTokensDetails,
+    OutputItem,
     OutputItemEvent,
     OutputMessage,
     OutputText,
@@ -55,11 +74,15 @@ from omnirun.server.responses_protocol import (
     ResponsesResponse,
     ResponseStateEvent,
     ResponseUsage,
+    Status,
     TextDeltaEvent,
     TextDoneEvent,
     new_item_id,
 )
 from omnirun.server.state import ServerState
+from omnirun.server.structured import Constraint, ForcedCalls, json_schema, named_call, only_one, required_calls
+from omnirun.server.tool_parsers import ToolCallDelta
+from omnirun.structured import GrammarSpec
 
 _ROLES = ("user", "assistant", "system", "developer")
 # output_text: an earlier response's output, sent back as the conversation's history (nothing is kept here).
@@ -84,15 +107,51 @@ def _refuse_what_is_not_built(body: ResponsesRequest) -> None:
         raise OpenAIError(
             400, "background: this server keeps no responses to poll; drop background (or stream)", param="background"
         )
-    if body.tools:
-        raise OpenAIError(400, f"tools: tool calling {_NOT_BUILT}; drop tools", param="tools")
-    if body.tool_choice not in (None, "auto", "none"):  # auto and none without tools: plain text, as served
-        raise OpenAIError(400, f"tool_choice: tool calling {_NOT_BUILT}; drop tool_choice", param="tool_choice")
-    kind = body.text.format.type if body.text is not None and body.text.format is not None else "text"
-    if kind != "text":
-        raise OpenAIError(
-            400, f"text.format {kind!r}: structured output {_NOT_BUILT}; drop text.format for plain text", param="text"
+
+
+def _functions(body: ResponsesRequest) -> dict[str, FunctionParam]:
+    """The function tools by name (the first of a name); a 400 for tools of other kinds."""
+    functions: dict[str, FunctionParam] = {}
+    for i, tool in enumerate(body.tools or []):
+        if tool.type != "function" or not tool.name:
+            what = "a function without a name" if tool.type == "function" else f"type {tool.type!r}"
+            message = f"tools[{i}]: only function tools with a name are served, got {what}"
+            raise OpenAIError(400, message, param="tools")
+        function = FunctionParam(name=tool.name, description=tool.description, parameters=tool.parameters)
+        functions.setdefault(tool.name, function)
+    return functions
+
+
+def _forced_calls(body: ResponsesRequest, functions: dict[str, FunctionParam]) -> ForcedCalls | None:
+    """tool_choice required or naming a function (enforced by the grammar); None for plain text."""
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if functions else "none")
+    if choice == "none" or (choice == "auto" and not functions):  # (auto without tools: plain text, as served)
+        return None
+    if not functions:
+        message = "tool_choice needs tools: send function tools, or leave tool_choice out"
+        raise OpenAIError(400, message, param="tool_choice")
+    schemas = {name: function.parameters for name, function in functions.items()}
+    if choice == "required":
+        return required_calls(schemas, parallel=body.parallel_tool_calls)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return named_call(schemas, choice["name"])
+    if choice == "auto":
+        message = (
+            f"tools with tool_choice 'auto' (the default with tools): reading a model's own calls {_NOT_BUILT}; send "
+            'tool_choice "required" or {"type": "function", "name": ...}, which the grammar enforces, or "none"'
         )
+    else:
+        message = f'tool_choice {choice!r}: send "none", "required" or {{"type": "function", "name": ...}}'
+    raise OpenAIError(400, message, param="tool_choice")
+
+
+def _text_constraint(body: ResponsesRequest) -> list[Constraint]:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return []
+    if fmt.type == "json_object":
+        return [("text.format", GrammarSpec.json_object())]
+    return [json_schema(fmt.schema_, "text.format")]
 
 
 def _text(content: str | list[InputContentPart] | None, where: str) -> str:
@@ -109,35 +168,55 @@ def _text(content: str | list[InputContentPart] | None, where: str) -> str:
     return "".join(texts)
 
 
-def _as_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The request as chat's messages: the instructions as a system message first, then the input's messages."""
+def _as_chat(body: ResponsesRequest, functions: dict[str, FunctionParam]) -> ChatCompletionRequest:
+    """The request as chat's messages: the instructions as a system message first, then the input's messages; a
+    run of function_call items as one assistant message's tool_calls (as chat templates take parallel calls), a
+    function_call_output as a tool message answering its call_id."""
     if isinstance(body.input, list) and not body.input:
         raise OpenAIError(400, "input is empty: send a string or at least one message", param="input")
     messages = [] if body.instructions is None else [ChatMessage(role="system", content=body.instructions)]
+    tools = [ToolParam(type="function", function=function) for function in functions.values()] or None
     if isinstance(body.input, str):
         messages.append(ChatMessage(role="user", content=body.input))
-        return ChatCompletionRequest(messages=messages)
+        return ChatCompletionRequest(messages=messages, tools=tools)
     for i, item in enumerate(body.input):
         where = f"input[{i}]"
-        if item.type != "message":
-            raise OpenAIError(
-                400,
-                f"{where}: only message items are supported, got {item.type!r} (tool calling {_NOT_BUILT})",
-                param="input",
+        if item.type == "function_call":
+            if item.call_id is None or item.name is None or item.arguments is None:
+                message = f"{where}: a function_call item needs call_id, name and arguments, as it was returned"
+                raise OpenAIError(400, message, param="input")
+            call = ToolCallParam(id=item.call_id, function=FunctionCallParam(name=item.name, arguments=item.arguments))
+            if messages and messages[-1].role == "assistant" and messages[-1].tool_calls:
+                messages[-1].tool_calls.append(call)
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif item.type == "function_call_output":
+            if item.call_id is None or item.output is None:
+                message = f"{where}: a function_call_output item needs call_id and output (a string)"
+                raise OpenAIError(400, message, param="input")
+            messages.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        elif item.type != "message":
+            message = (
+                f"{where}: only message, function_call and function_call_output items are served, got {item.type!r}"
             )
-        if item.role not in _ROLES:
+            raise OpenAIError(400, message, param="input")
+        elif item.role not in _ROLES:
             raise OpenAIError(400, f"{where}.role: send one of {', '.join(_ROLES)}, got {item.role!r}", param="input")
-        messages.append(ChatMessage(role=item.role, content=_text(item.content, where)))
-    return ChatCompletionRequest(messages=messages)
+        else:
+            messages.append(ChatMessage(role=item.role, content=_text(item.content, where)))
+    return ChatCompletionRequest(messages=messages, tools=tools)
 
 
-def _prepare(state: ServerState, body: ResponsesRequest, params: SamplingParams) -> tuple[list[int], list[Request]]:
-    prompt = chat_prompt(state, _as_chat(body))
+def _prepare(
+    state: ServerState, body: ResponsesRequest, functions: dict[str, FunctionParam], params: SamplingParams
+) -> tuple[list[int], list[Request]]:
+    prompt = chat_prompt(state, _as_chat(body, functions))
     return prompt, make_requests(state.engine, [prompt], params, 1)
 
 
 def _in_progress(body: ResponsesRequest, model: str, params: SamplingParams) -> ResponsesResponse:
     """The response before its output: what the stream's first events carry, and what the finished one extends."""
+    fmt = body.text.format if body.text is not None else None
     return ResponsesResponse(
         id=new_item_id("resp"),
         created_at=now(),
@@ -148,18 +227,27 @@ def _in_progress(body: ResponsesRequest, model: str, params: SamplingParams) -> 
         max_output_tokens=body.max_output_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
+        tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
         tool_choice=body.tool_choice or "auto",
         parallel_tool_calls=body.parallel_tool_calls,
+        text={"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}},
         user=body.user,
     )
 
 
+def _status(choice: Choice) -> Status:
+    return "incomplete" if choice.finish_reason == "length" else "completed"  # max_output_tokens (or the context)
+
+
+def _message(item_id: str, choice: Choice) -> OutputMessage:
+    return OutputMessage(id=item_id, status=_status(choice), content=[OutputText(text=choice.text)])
+
+
 def _finished(
-    started: ResponsesResponse, item_id: str, choice: Choice, prompt: list[int], requests: list[Request]
+    started: ResponsesResponse, output: list[OutputItem], choice: Choice, prompt: list[int], requests: list[Request]
 ) -> ResponsesResponse:
-    incomplete = choice.finish_reason == "length"  # max_output_tokens (or the context) cut it
-    status = "incomplete" if incomplete else "completed"
-    message = OutputMessage(id=item_id, status=status, content=[OutputText(text=choice.text)])
+    status = _status(choice)
+    incomplete = status == "incomplete"
     spent = usage([prompt], len(choice.token_ids), requests)
     cached = spent.prompt_tokens_details.cached_tokens if spent.prompt_tokens_details else 0
     return started.model_copy(
@@ -167,7 +255,7 @@ def _finished(
             "status": status,
             "completed_at": None if incomplete else now(),
             "incomplete_details": IncompleteDetails() if incomplete else None,
-            "output": [message],
+            "output": output,
             "usage": ResponseUsage(
                 input_tokens=spent.prompt_tokens,
                 input_tokens_details=InputTokensDetails(cached_tokens=cached),
@@ -209,23 +297,100 @@ async def _stream(
     except OmnirunError as exc:  # the engine failed mid-stream: say so as chat does, end the stream
         yield f"event: error\n{sse_error(exc)}"
         return
-    done = _finished(started, item_id, choice, prompt, requests)
-    message = done.output[0]
+    message = _message(item_id, choice)
+    done = _finished(started, [message], choice, prompt, requests)
     yield event(TextDoneEvent, **where, text=choice.text)
     yield event(ContentPartEvent, type="response.content_part.done", **where, part=message.content[0])
     yield event(OutputItemEvent, type="response.output_item.done", output_index=0, item=message)
     yield event(ResponseStateEvent, type="response.completed", response=done)
 
 
+class _CallItems:
+    """The function_call items of forced calls, built from their reader's pieces, with the stream events that build
+    them: the stream and the finished response go the same way, and agree."""
+
+    def __init__(self, event: _Events) -> None:
+        self._event = event
+        self.items: list[FunctionCallItem] = []
+
+    def add(self, pieces: Sequence[ToolCallDelta]) -> list[str]:
+        events = []
+        for piece in pieces:
+            if piece.id is not None:  # a new call: the one before it is whole
+                events += self.close("completed")
+                item = FunctionCallItem(
+                    id=new_item_id("fc"), call_id=piece.id, name=piece.name, arguments="", status="in_progress"
+                )
+                self.items.append(item)
+                at = len(self.items) - 1
+                events.append(
+                    self._event(OutputItemEvent, type="response.output_item.added", output_index=at, item=item)
+                )
+            if piece.arguments:
+                item, at = self.items[-1], len(self.items) - 1
+                item.arguments += piece.arguments
+                events.append(self._event(ArgumentsDeltaEvent, item_id=item.id, output_index=at, delta=piece.arguments))
+        return events
+
+    def close(self, status: Status) -> list[str]:
+        """End the last call (status incomplete when the output was cut)."""
+        if not self.items or self.items[-1].status != "in_progress":
+            return []
+        item, at = self.items[-1], len(self.items) - 1
+        item.status = status
+        return [
+            self._event(ArgumentsDoneEvent, item_id=item.id, output_index=at, arguments=item.arguments),
+            self._event(OutputItemEvent, type="response.output_item.done", output_index=at, item=item),
+        ]
+
+
+def _call_items(forced: ForcedCalls, choice: Choice) -> list[OutputItem]:
+    calls = _CallItems(_Events())
+    calls.add(forced.stream().feed(choice.text, last=True).tool_calls)
+    calls.close(_status(choice))
+    return list(calls.items)
+
+
+async def _stream_calls(
+    started: ResponsesResponse, group: RequestGroup, forced: ForcedCalls, prompt: list[int], requests: list[Request]
+) -> AsyncIterator[str]:
+    event, choice, reader = _Events(), Choice(), forced.stream()
+    calls = _CallItems(event)
+    try:
+        async with group:
+            yield event(ResponseStateEvent, type="response.created", response=started)
+            yield event(ResponseStateEvent, type="response.in_progress", response=started)
+            async for _, delta in group:
+                choice.add(delta)
+                for line in calls.add(reader.feed(delta.text or "", last=delta.finish_reason is not None).tool_calls):
+                    yield line
+    except OmnirunError as exc:  # the engine failed mid-stream: say so as chat does, end the stream
+        yield f"event: error\n{sse_error(exc)}"
+        return
+    for line in calls.close(_status(choice)):
+        yield line
+    done = _finished(started, list(calls.items), choice, prompt, requests)
+    yield event(ResponseStateEvent, type="response.completed", response=done)
+
+
 async def create_response(body: ResponsesRequest, raw: HTTPRequest, state: ServerState):
     model = state.check_model(body.model)
     _refuse_what_is_not_built(body)
-    params = sampling_params(body, max_tokens=body.max_output_tokens, logprobs=None)
-    # The template and the tokenizer off the event loop, as chat does (seconds for a prompt of megabytes).
-    prompt, requests = await asyncio.to_thread(_prepare, state, body, params)
+    functions = _functions(body)
+    forced = _forced_calls(body, functions)
+    constraint = only_one(_text_constraint(body) + ([forced.constraint] if forced is not None else []))
+    params = sampling_params(body, max_tokens=body.max_output_tokens, logprobs=None, structured_output=constraint)
+    # The template and the tokenizer off the event loop, as chat does (seconds for a prompt of megabytes), and the
+    # grammar's compile (seconds for a large schema).
+    prompt, requests = await asyncio.to_thread(_prepare, state, body, functions, params)
     group = state.engine.submit(requests)
     started = _in_progress(body, model, params)
     if body.stream:
-        return StreamingResponse(_stream(started, group, prompt, requests), media_type="text/event-stream")
+        if forced is None:
+            events = _stream(started, group, prompt, requests)
+        else:
+            events = _stream_calls(started, group, forced, prompt, requests)
+        return StreamingResponse(events, media_type="text/event-stream")
     [choice] = await until_disconnected(raw, collect(group), group)
-    return _finished(started, new_item_id("msg"), choice, prompt, requests)
+    output = [_message(new_item_id("msg"), choice)] if forced is None else _call_items(forced, choice)
+    return _finished(started, output, choice, prompt, requests)

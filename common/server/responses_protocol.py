@@ -1,10 +1,10 @@
 """The bodies of POST /v1/responses (OpenAI's Responses API) and of its stream's events, as pydantic models.
 
 Field names and shapes are those of the openai SDK's `openai.types.responses` (Response, ResponseOutputMessage,
-ResponseOutputText, ResponseUsage and the stream events). The request takes the same vLLM sampling extras as chat
-(top_k, min_p, seed, stop, ...) and, as chat does, ignores fields it does not know. Fields the route refuses
-(tools, previous_response_id, text.format json_schema, ...) are accepted loosely here, so that responses.py answers
-them with one line that names what is not built, rather than a schema error.
+ResponseOutputText, ResponseFunctionToolCall, ResponseUsage and the stream events). The request takes the same vLLM
+sampling extras as chat (top_k, min_p, seed, stop, ...) and, as chat does, ignores fields it does not know. Fields the
+route refuses in part (previous_response_id, tools of other kinds than function, ...) are accepted loosely here, so
+that responses.py answers them with one line that names what is not built, rather than a schema error.
 """
 
 from __future__ import annotations
@@ -25,19 +25,36 @@ class InputContentPart(_Request):
 
 
 class InputItem(_Request):
-    """One item of `input`: a message (the route refuses the other kinds, function_call_output and the like)."""
+    """One item of `input`: a message, an earlier function_call, or a function_call_output answering one (the route
+    refuses the other kinds)."""
 
     type: str = "message"
     role: str | None = None  # user, assistant, system or developer (checked by the route, to name the item)
     content: Text | list[InputContentPart] | None = None
+    call_id: Text | None = None  # a function_call's, and the function_call_output's that answers it
+    name: Text | None = None  # a function_call's
+    arguments: Text | None = None  # a function_call's: a JSON object, as text
+    output: Text | None = None  # a function_call_output's
 
 
 class TextFormat(_Request):
-    type: str  # text; json_schema and json_object are refused until the grammar serves them
+    type: Literal["text", "json_schema", "json_object"]
+    name: Text | None = None  # json_schema's
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # (`schema` would shadow BaseModel's)
+    strict: bool | None = None  # enforced either way, as vLLM does
 
 
 class TextConfig(_Request):
     format: TextFormat | None = None
+
+
+class Tool(_Request):
+    type: str  # function (the route refuses the other kinds: web_search, file_search, ...)
+    name: Text | None = None
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
 
 
 class ResponsesRequest(_Request):
@@ -51,12 +68,12 @@ class ResponsesRequest(_Request):
     user: Text | None = None
     metadata: dict[str, Text] | None = None
     store: bool | None = None  # accepted either way: this server keeps nothing
-    # Refused by the route, with why: state this server does not keep, tools, structured output.
+    # Refused by the route, with why: state this server does not keep.
     previous_response_id: Text | None = None
     conversation: Any = None
     background: bool | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or {"type": "function", "name": ...}
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     # vLLM's sampling extras, as chat takes them (generation.sampling_params reads them all)
@@ -98,6 +115,18 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+    status: Status
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     cache_write_tokens: int = 0  # the prefix cache keeps pages implicitly: no write is asked for or counted
@@ -119,14 +148,6 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"] = "max_output_tokens"
 
 
-class TextFormatEcho(BaseModel):
-    type: Literal["text"] = "text"
-
-
-class TextConfigEcho(BaseModel):
-    format: TextFormatEcho = Field(default_factory=TextFormatEcho)
-
-
 class ResponsesResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
@@ -136,7 +157,7 @@ class ResponsesResponse(BaseModel):
     incomplete_details: IncompleteDetails | None = None
     error: None = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     # The request's parameters, echoed as the SDK's Response requires them.
     instructions: str | None = None
@@ -144,11 +165,11 @@ class ResponsesResponse(BaseModel):
     max_output_tokens: int | None = None
     temperature: float
     top_p: float
-    tools: list[Any] = Field(default_factory=list)
-    tool_choice: str = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     previous_response_id: None = None
-    text: TextConfigEcho = Field(default_factory=TextConfigEcho)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})  # the request's, as sent
     truncation: Literal["disabled"] = "disabled"
     background: bool = False
     user: str | None = None
@@ -167,7 +188,7 @@ class OutputItemEvent(BaseModel):
     type: Literal["response.output_item.added", "response.output_item.done"]
     sequence_number: int
     output_index: int
-    item: OutputMessage
+    item: OutputItem
 
 
 class ContentPartEvent(BaseModel):
@@ -197,3 +218,19 @@ class TextDoneEvent(BaseModel):
     content_index: int
     text: str
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class ArgumentsDeltaEvent(BaseModel):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDoneEvent(BaseModel):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    sequence_number: int
+    item_id: str
+    output_index: int
+    arguments: str
