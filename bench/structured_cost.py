@@ -18,27 +18,10 @@ import time
 import torch
 
 from omnirun.assets.default_model import default_model_dir
+from omnirun.bench_serve import RECORD_SCHEMA as SCHEMA  # (omnirun bench serve --structured json sends it too)
 from omnirun.engine import LLM
 from omnirun.sampling import SamplingParams
 from omnirun.structured import GrammarSpec
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
-        "name": {"type": "string", "maxLength": 16},
-        "email": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "score": {"type": "number", "minimum": 0, "maximum": 1},
-        "active": {"type": "boolean"},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
-        "city": {"type": "string", "maxLength": 16},
-        "notes": {"type": "string", "maxLength": 32},
-    },
-    "required": ["id", "name", "email", "age", "score", "active", "role", "tags", "city", "notes"],
-    "additionalProperties": False,
-}
 
 
 def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> tuple[float, int]:

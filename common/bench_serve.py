@@ -3,7 +3,9 @@
 Requests of random token ids (fixed lengths, or uniform in [len * (1 - r), len * (1 + r)] with
 --random-range-ratio r) go to /v1/completions as streams, arriving as a Poisson process at --request-rate per
 second (inf: all at once), at most --max-concurrency in flight. Each stream's chunk times give its TTFT
-(request sent to first token), ITL (between chunks) and TPOT ((latency - TTFT) / (tokens - 1)).
+(request sent to first token), ITL (between chunks) and TPOT ((latency - TTFT) / (tokens - 1)). With --structured
+json every request's output must match RECORD_SCHEMA (`response_format` json_schema): the grammar's overhead, against
+a run without it; such a request ends when its JSON does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,25 @@ from typing import Any
 
 from omnirun.errors import OmnirunError
 
+# A record of ten fields, every value bounded (a random model's strings end when their length runs out).
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "name": {"type": "string", "maxLength": 16},
+        "email": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "active": {"type": "boolean"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+        "city": {"type": "string", "maxLength": 16},
+        "notes": {"type": "string", "maxLength": 32},
+    },
+    "required": ["id", "name", "email", "age", "score", "active", "role", "tags", "city", "notes"],
+    "additionalProperties": False,
+}
+
 
 def add_bench_serve_parser(bench: argparse.ArgumentParser) -> None:
     modes = bench.add_subparsers(dest="bench_mode", metavar="MODE", required=False)
@@ -36,6 +57,12 @@ def add_bench_serve_parser(bench: argparse.ArgumentParser) -> None:
     serve.add_argument("--request-rate", type=float, default=math.inf, help="requests per second, or inf")
     serve.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--structured",
+        choices=["none", "json"],
+        default="none",
+        help="json: outputs constrained by a 10-field JSON schema (default: %(default)s)",
+    )
     serve.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar")
     serve.set_defaults(func=cmd_bench_serve)
@@ -136,6 +163,11 @@ async def run_load(args: argparse.Namespace, model: str) -> tuple[list[RequestRe
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            if args.structured == "json":
+                body["response_format"] = {
+                    "type": "json_schema",
+                    "json_schema": {"name": "record", "schema": RECORD_SCHEMA},
+                }
             tasks.append(asyncio.create_task(limited(client, body)))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
@@ -170,6 +202,7 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
         "random_range_ratio": args.random_range_ratio,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency,
+        "structured": args.structured,
         "duration_s": elapsed,
         "completed": len(ok),
         "failed": len(failed),
@@ -199,7 +232,8 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
 def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"{s['completed']} of {s['num_prompts']} requests completed in {s['duration_s']:.2f} s "
-        f"(rate {s['request_rate']}, concurrency {s['max_concurrency'] or 'unlimited'}); {s['failed']} failed",
+        f"(rate {s['request_rate']}, concurrency {s['max_concurrency'] or 'unlimited'}"
+        f"{', JSON schema' if s.get('structured') == 'json' else ''}); {s['failed']} failed",
         f"  request throughput {s['request_throughput']:10.2f} req/s",
         f"  output throughput  {s['output_tokens_per_s']:10.1f} tok/s",
         f"  total throughput   {s['total_tokens_per_s']:10.1f} tok/s",

@@ -57,6 +57,19 @@ def test_bench_serve_loads_a_server_and_writes_json(tmp_path, capsys):
     assert sorted(r["ttft_ms"] for r in each)[5] == pytest.approx(result["ttft_ms_p50"], rel=0.5)
 
 
+def test_bench_serve_structured_json_constrains_every_request(tmp_path):
+    """--structured json: each output is a record of the bench's schema, so it ends with its JSON, long before the
+    token budget that an unconstrained request (ignore_eos) always spends."""
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar (pip install 'omnirun[structured]')")
+    out = tmp_path / "serve.json"
+    with LLM(device="cpu", dtype="float32", max_total_tokens=16384) as llm, running_server(create_app(llm)) as url:
+        argv = ["bench", "serve", "--base-url", url, "--num-prompts", "6", "--input-len", "8", "--output-len", "400"]
+        assert main([*argv, "--structured", "json", "--json", str(out), "--no-progress"]) == 0
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["structured"]) == (6, "json")
+    assert all(20 < r["output_tokens"] < 400 for r in result["requests"])
+
+
 def test_bench_serve_counts_refused_requests_as_failed(tmp_path):
     out = tmp_path / "serve.json"
     llm = LLM("tiny-llama", load_format="dummy", device="cpu", max_total_tokens=4096)
