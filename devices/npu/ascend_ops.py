@@ -1,5 +1,5 @@
-"""torch_npu's fused kernels as omnirun's ops: rms_norm, add_rms_norm, silu_and_mul, rotary_embedding, and sample
-(omnirun.devices.npu.ascend_sampling).
+"""torch_npu's fused kernels as omnirun's ops: rms_norm, add_rms_norm, silu_and_mul, rotary_embedding, sample
+(omnirun.devices.npu.ascend_sampling) and fused_moe (omnirun.devices.npu.ascend_moe).
 
 Each op calls torch_npu where the documented constraints hold (Ascend/op-plugin:docs/zh/custom_APIs/torch_npu/)
 and falls back to the torch-native reference otherwise. The checks read only shapes and dtypes, so they run inside
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from omnirun.attention.backend import HALF_DTYPES
+from omnirun.devices.npu.ascend_moe import MOE_KERNELS, ascend_fused_moe
 from omnirun.layers import native_ops
 
 # npu_rms_norm on Atlas A2/A3: (x, gamma) dtype pairs of its doc; npu_add_rms_norm: gamma in x's dtype.
@@ -99,5 +100,8 @@ def ascend_fused_ops(torch_npu: Any) -> dict[str, Callable[..., Any]]:
         from omnirun.devices.npu.ascend_sampling import ascend_sample
 
         ops["sample"] = ascend_sample(torch_npu)
+
+    if all(hasattr(torch_npu, name) for name in MOE_KERNELS):
+        ops["fused_moe"] = ascend_fused_moe(torch_npu)
 
     return ops

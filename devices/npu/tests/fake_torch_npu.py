@@ -446,6 +446,165 @@ def npu_top_k_top_p(logits, p, k):
     return torch.empty_like(values).scatter_(-1, indices, values).to(logits.dtype)
 
 
+# --- MoE (aclnn kernels): torch operators of namespace "npu", as torch_npu registers them (torch.ops.npu.*), with
+# the schemas' argument names (Ascend/torchair ge_converter docstrings "NB: npu::..."), so that a graph records each
+# as one operator and its checks may read values on the host, as the kernel does on the device. Each computes what
+# its doc gives (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_moe_*.md, -npu_grouped_matmul.md).
+
+ROUTING_SIZE_LIMIT = 1 << 24  # npu_moe_init_routing's x, npu_moe_compute_expert_tokens' ids: below 2^24 elements
+GMM_INNER_LIMIT = 65536  # npu_grouped_matmul on Atlas A2/A3: every last dimension below InnerLimit
+GMM_MAX_GROUPS = 1024  # npu_grouped_matmul, single tensors grouped on M: group_list of at most 1024 groups
+
+
+def _moe_gating_top_k_softmax(x, finished=None, k=1):
+    """softmaxOut = softmax(x, -1); yOut, expertIdxOut = topK(softmaxOut, k); rowIdxOut[i, j] = j * rows + i."""
+    _require(x.dim() in (2, 3) and x.dtype in FLOATS, "npu_moe_gating_top_k_softmax: x 2-D/3-D float16/bf16/float32")
+    _require(finished is None, "not faked: finished")
+    _require(0 < k <= min(x.shape[-1], 1024), f"npu_moe_gating_top_k_softmax: k in (0, min(E, 1024)], got {k}")
+    y, expert_idx = torch.topk(torch.softmax(x.float(), dim=-1), k, dim=-1)
+    rows = expert_idx.numel() // k
+    row_idx = torch.arange(rows * k, dtype=torch.int32).view(k, rows).t().reshape(expert_idx.shape)
+    return y.to(x.dtype), expert_idx.to(torch.int32), row_idx
+
+
+def _moe_init_routing(x, row_idx, expert_idx, active_num):
+    """The doc's cpu_op_exec: a stable sort of the flattened expert ids; expanded_row_idx[dst_to_src] = arange;
+    expanded_x = x[dst_to_src[: min(active_num, rows) * k] % rows]."""
+    _require(x.dim() == 2 and x.dtype in FLOATS, "npu_moe_init_routing: x must be 2-D float16/bfloat16/float32")
+    _require(x.numel() < ROUTING_SIZE_LIMIT, f"npu_moe_init_routing: x's size must be below 2^24, got {x.numel()}")
+    _check_int32("row_idx", row_idx, 2)
+    _check_int32("expert_idx", expert_idx, 2)
+    _require(row_idx.shape == expert_idx.shape, "npu_moe_init_routing: row_idx must be shaped like expert_idx")
+    _require(expert_idx.shape[0] == x.shape[0], "npu_moe_init_routing: expert_idx must be [NUM_ROWS, K]")
+    _require(active_num >= 0, f"npu_moe_init_routing: active_num must not be negative, got {active_num}")
+    rows, k = expert_idx.shape
+    dst_to_src = row_idx.reshape(-1).long()
+    _require(torch.equal(dst_to_src.sort().values, torch.arange(rows * k)), "row_idx must number each slot once")
+    expanded_expert_idx, order = expert_idx.reshape(-1).sort(stable=True)
+    dst_to_src = dst_to_src[order]
+    expanded_row_idx = torch.empty(rows * k, dtype=torch.int32)
+    expanded_row_idx[dst_to_src] = torch.arange(rows * k, dtype=torch.int32)
+    expanded_x = x[dst_to_src[: min(active_num, rows) * k] % max(rows, 1)]
+    return expanded_x, expanded_row_idx, expanded_expert_idx
+
+
+def _moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
+    """out[i] = BinarySearch(sortedExperts, i): the index just past expert i's last row (the aclnn doc's golden,
+    hicann/ops-transformer moe/moe_compute_expert_tokens/tests/ut/op_kernel/moe_expert_data/gen_data.py)."""
+    ids = sorted_expert_for_source_row
+    _check_int32("sorted_expert_for_source_row", ids, 1)
+    _require(ids.numel() < ROUTING_SIZE_LIMIT, "npu_moe_compute_expert_tokens: fewer than 2^24 ids")
+    _require(0 < num_expert <= 2048, f"npu_moe_compute_expert_tokens: num_expert in (0, 2048], got {num_expert}")
+    _require(bool(((ids >= 0) & (ids < num_expert)).all()), "npu_moe_compute_expert_tokens: ids in [0, num_expert)")
+    _require(bool((ids[1:] >= ids[:-1]).all()), "npu_moe_compute_expert_tokens: the ids must be sorted")
+    return torch.searchsorted(ids, torch.arange(num_expert, dtype=torch.int32), right=True, out_int32=True)
+
+
+def _grouped_matmul(
+    x, weight, *, bias=None, group_list=None, split_item=0, group_type=-1, group_list_type=0, output_dtype=None
+):
+    """Non-quantised, x/weight/y single tensors grouped on M (group_type 0): y[rows of g] = x[rows of g] @ w[g]."""
+    _require(len(x) == 1 and len(weight) == 1, "not faked: several x or weight tensors")
+    _require(bias is None, "not faked: bias")
+    _require(group_type == 0 and split_item in (2, 3), "single x, weight and y: group_type 0, split_item 2 or 3")
+    x, w = x[0], weight[0]
+    _require(x.dim() == 2 and w.dim() == 3, "npu_grouped_matmul: x [M, K] 2-D, weight [E, K, N] 3-D")
+    _require(x.dtype in FLOATS and w.dtype == x.dtype, "npu_grouped_matmul: x and weight in one float dtype")
+    _require(output_dtype in (None, x.dtype), "npu_grouped_matmul: a non-quantised y is in x's dtype")
+    _require(x.is_contiguous(), "npu_grouped_matmul: x must not be transposed")
+    transposed = not w.is_contiguous()
+    _require(not transposed or w.transpose(1, 2).is_contiguous(), "weight: contiguous, or a contiguous one transposed")
+    _require(x.shape[1] == w.shape[1], f"npu_grouped_matmul: x's K {x.shape[1]}, weight's {w.shape[1]}")
+    last = w.shape[1] if transposed else w.shape[2]
+    _require(x.shape[1] < GMM_INNER_LIMIT and last < GMM_INNER_LIMIT, "npu_grouped_matmul: last dims below 65536")
+    _require(group_list is not None and group_list.dtype == torch.int64, "npu_grouped_matmul: group_list int64 Tensor")
+    _require(group_list.dim() == 1 and group_list.shape[0] == w.shape[0], "group_list: one entry per weight group")
+    _require(group_list.shape[0] <= GMM_MAX_GROUPS, "npu_grouped_matmul: at most 1024 groups")
+    _require(group_list_type in (0, 1), "npu_grouped_matmul: group_list_type 2 only for int8")
+    counts = group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+    _require(bool((counts >= 0).all()), "group_list: non-negative sizes (type 0: a non-decreasing cumsum)")
+    _require(int(counts.sum()) == x.shape[0], f"group_list must cover x's {x.shape[0]} rows (type 0: last value M)")
+    y = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype)
+    start = 0
+    for group, size in enumerate(counts.tolist()):
+        y[start : start + size] = (x[start : start + size].float() @ w[group].float()).to(x.dtype)
+        start += size
+    return [y]
+
+
+def _moe_finalize_routing(
+    expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0
+):
+    """out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src_to_dst[k * NUM_ROWS + i]] + bias[expert[i, k]])
+    (drop-less mode, drop_pad_mode 0)."""
+    rows, src_to_dst, experts = expanded_permuted_rows, expanded_src_to_dst_row, export_for_source_row
+    _require(drop_pad_mode == 0, "not faked: the drop-pad modes and the row-wise layout (drop_pad_mode 1-3)")
+    _require(rows.dim() == 2 and rows.dtype in FLOATS, "npu_moe_finalize_routing: rows 2-D float16/bfloat16/float32")
+    _require(scales is not None, "not faked: scales None")
+    _require(scales.dim() == 2 and scales.dtype == rows.dtype, "npu_moe_finalize_routing: scales [N, K] in rows' dtype")
+    num_rows, k = scales.shape
+    hidden = rows.shape[1]
+    _require(rows.shape[0] == num_rows * k, "npu_moe_finalize_routing: expanded_permuted_rows must be [N * K, H]")
+    _check_int32("expanded_src_to_dst_row", src_to_dst, 1)
+    _require(src_to_dst.shape[0] == num_rows * k, "expanded_src_to_dst_row: one entry per slot")
+    _require(bool(((src_to_dst >= 0) & (src_to_dst < num_rows * k)).all()), "expanded_src_to_dst_row: [0, N * K)")
+    _require(skip2 is None or skip1 is not None, "npu_moe_finalize_routing: skip2 only with skip1")
+    for skip in (skip1, skip2):
+        _require(skip is None or (skip.shape == (num_rows, hidden) and skip.dtype == rows.dtype), "skip: [N, H]")
+    if experts is not None:
+        _check_int32("export_for_source_row", experts, 2)
+        _require(experts.shape == scales.shape, "export_for_source_row: [N, K]")
+    gathered = rows.float()[src_to_dst.long().view(k, num_rows)]  # [K, N, H]: slot (i, j) at j * N + i
+    if bias is not None:
+        _require(experts is not None, "npu_moe_finalize_routing: bias needs export_for_source_row")
+        _require(bias.dim() == 2 and bias.shape[1] == hidden and bias.dtype == rows.dtype, "bias: [E, H]")
+        _require(bool(((experts >= 0) & (experts < bias.shape[0])).all()), "export_for_source_row: [0, E)")
+        gathered = gathered + bias.float()[experts.long().t()]
+    out = (scales.float().t()[..., None] * gathered).sum(0)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip.float()
+    return out.to(rows.dtype)
+
+
+_NPU_SCHEMAS = {
+    "npu_moe_gating_top_k_softmax": (
+        "npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)",
+        _moe_gating_top_k_softmax,
+    ),
+    "npu_moe_init_routing": (
+        "npu_moe_init_routing(Tensor x, Tensor row_idx, Tensor expert_idx, int active_num) -> (Tensor, Tensor, Tensor)",
+        _moe_init_routing,
+    ),
+    "npu_moe_compute_expert_tokens": (
+        "npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor",
+        _moe_compute_expert_tokens,
+    ),
+    "npu_grouped_matmul": (
+        "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor? group_list=None, "
+        "int? split_item=0, int? group_type=-1, int? group_list_type=0, ScalarType? output_dtype=None) -> Tensor[]",
+        _grouped_matmul,
+    ),
+    "npu_moe_finalize_routing": (
+        "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
+        "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, int? drop_pad_mode=0) "
+        "-> Tensor",
+        _moe_finalize_routing,
+    ),
+}
+
+
+def _register_npu_ops() -> None:
+    """Once per process, as _register_atb_ops: torch.ops.npu.<name> for the MoE kernels."""
+    if hasattr(torch.ops.npu, "npu_moe_init_routing"):
+        return
+    library = torch.library.Library("npu", "DEF")
+    for name, (schema, impl) in _NPU_SCHEMAS.items():
+        library.define(schema)
+        library.impl(name, impl, "CPU")
+    torch._fake_torch_npu_npu_library = library
+
+
 def make_fake_torch_npu(npu: FakeNpu | None = None, *, atb: bool = True, graphs: bool = True) -> types.ModuleType:
     """A torch_npu with its operators (atb=False: NNAL missing, no torch.ops.atb) and NPU graphs."""
     npu = npu or FakeNpu()
@@ -458,4 +617,7 @@ def make_fake_torch_npu(npu: FakeNpu | None = None, *, atb: bool = True, graphs:
             setattr(module, name, getattr(torch.ops.atb, name))
     for fn in (npu_rms_norm, npu_add_rms_norm, npu_swiglu, npu_rotary_mul, npu_top_k_top_p):
         setattr(module, fn.__name__, fn)
+    _register_npu_ops()
+    for name in _NPU_SCHEMAS:
+        setattr(module, name, getattr(torch.ops.npu, name))
     return module
