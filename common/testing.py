@@ -136,6 +136,18 @@ def make_runner(platform: Platform, model: Path | str, **flags) -> ModelRunner:
     return ModelRunner(RunnerConfig(model=str(model), device=platform.name, **flags), platform=platform)
 
 
+def replayed_and_eager(runner: ModelRunner, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one decode step after `prompts`, replayed from the runner's graphs and run eagerly (the eager
+    step rewrites the same K/V slots with the same values). The rows stay taken: a test's runner is thrown away."""
+    rows = [runner.kv.new_request() for _ in prompts]
+    runner.forward(build_batch(runner.kv, rows, [0] * len(prompts), prompts, runner.device))
+    lens = [len(p) for p in prompts]
+    batch = build_batch(runner.kv, rows, lens, [[7 + i] for i in range(len(prompts))], runner.device)
+    assert runner.graph_runner.can_run(batch)
+    replayed = runner.forward(batch).clone()
+    return replayed, runner.forward_eager(batch)
+
+
 def greedy_generate(
     runner: ModelRunner,
     prompts: Sequence[Sequence[int]],

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from omnirun.batch import build_batch
-from omnirun.testing import MOE_ARCHITECTURES, greedy_generate, hf_greedy, make_runner, tiny_hf_model
+from omnirun.testing import (
+    MOE_ARCHITECTURES,
+    greedy_generate,
+    hf_greedy,
+    make_runner,
+    replayed_and_eager,
+    tiny_hf_model,
+)
 
 
 @pytest.fixture(scope="module", params=MOE_ARCHITECTURES)
@@ -55,14 +62,7 @@ def test_graph_replay_equals_eager(platform, checkpoint, batch_size):
     try:
         if runner.graph_runner is None:
             pytest.skip(f"{platform.name} builds no graph runner for this model in {dtype}: every step runs eagerly")
-        prompts = [_prompt(10 + i, 5 + 7 * i) for i in range(batch_size)]
-        rows = [runner.kv.new_request() for _ in prompts]
-        runner.forward(build_batch(runner.kv, rows, [0] * batch_size, prompts, runner.device))
-        lens = [len(p) for p in prompts]
-        batch = build_batch(runner.kv, rows, lens, [[7 + i] for i in range(batch_size)], runner.device)
-        assert runner.graph_runner.can_run(batch)
-        replayed = runner.forward(batch).clone()
-        eager = runner.forward_eager(batch)  # rewrites the same K/V slots with the same values
+        replayed, eager = replayed_and_eager(runner, [_prompt(10 + i, 5 + 7 * i) for i in range(batch_size)])
         tolerance = 1e-4 if dtype == "float32" else 3e-2
         torch.testing.assert_close(replayed.float(), eager.float(), atol=tolerance, rtol=tolerance)
     finally:
