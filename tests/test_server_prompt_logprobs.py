@@ -4,10 +4,13 @@ tests/test_prompt_logprobs.py checks against HF transformers), followed by the c
 
 from __future__ import annotations
 
+import contextlib
+
 import openai
 import pytest
 
 from omnirun.engine import LLM
+from omnirun.engine.process import EngineProcess
 from omnirun.sampling import SamplingParams
 from omnirun.server.app import create_app
 from omnirun.server.testing import running_server
@@ -15,15 +18,20 @@ from omnirun.server.testing import running_server
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
+FLAGS = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192}
+
+
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(device="cpu", dtype="float32", max_total_tokens=8192) as llm:
+    with LLM(**FLAGS) as llm:
         yield llm
 
 
-@pytest.fixture(scope="module")
-def client(llm):
-    with running_server(create_app(llm, served_model_name="tiny")) as url:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def client(request, llm):
+    """The server over the LLM's own engine thread, or over an engine process (the deltas cross a pipe)."""
+    engine = contextlib.nullcontext(llm) if request.param == "thread" else EngineProcess(**FLAGS)
+    with engine as engine, running_server(create_app(engine, served_model_name="tiny")) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 

@@ -259,7 +259,7 @@ class EngineProcess:
                 if reason is not None:
                     self._subscribers.pop(request_id, None)
             ended = [(self._subscribers.pop(f[0], None), f) for f in failed]
-        for subscriber, (request_id, token_ids, text, reason, logprobs, top, cached) in zip(
+        for subscriber, (request_id, token_ids, text, reason, logprobs, top, cached, prompt, prompt_top) in zip(
             subscribers, deltas, strict=True
         ):
             if subscriber is None:
@@ -274,7 +274,8 @@ class EngineProcess:
                     text += detokenizer.flush()
             if reason is not None:
                 request.finish_reason = FinishReason(reason)
-            subscriber.channel.put((request_id, StreamDelta(request_id, token_ids, text, reason, logprobs, top)))
+            delta = StreamDelta(request_id, token_ids, text, reason, logprobs, top, prompt, prompt_top)
+            subscriber.channel.put((request_id, delta))
         for subscriber, (request_id, kind, message) in ended:
             if subscriber is not None:
                 subscriber.channel.put((request_id, _error(kind, message)))

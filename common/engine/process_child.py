@@ -132,6 +132,7 @@ class _StepOutbox:
                 self.requests.pop(request_id, None)
             deltas.append(
                 (request_id, item.token_ids, item.text, item.finish_reason, item.logprobs, item.top_logprobs, cached)
+                + (item.prompt_logprobs, item.prompt_top_logprobs)  # (None, None) but in a request's first delta
             )
         self._sender.send(("step", deltas, errors, stats))
 
