@@ -90,3 +90,30 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode():
     detok = IncrementalDetokenizer(tokenizer)
     text = "".join(detok.add([t]) for t in (1, 2, 3)) + detok.flush()
     assert text == tokenizer.decode([1, 2, 3], skip_special_tokens=True) == "hello, world"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_stay_in_the_text_only_when_asked(tokenizer, skip):
+    """skip_special_tokens False (a Mistral tool call parser's [TOOL_CALLS] is one) keeps them, as a whole decode
+    with the same flag does."""
+    ids = tokenizer("a b", add_special_tokens=False).input_ids + [tokenizer.eos_token_id] + tokenizer("c").input_ids
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    text = "".join(detok.add([t]) for t in ids) + detok.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert (tokenizer.eos_token in text) is (not skip)
+
+
+def test_llm_texts_follow_skip_special_tokens():
+    from omnirun.engine import LLM
+    from omnirun.sampling import SamplingParams
+
+    with LLM(device="cpu", dtype="float32", max_total_tokens=4096, progress=False) as llm:
+        eos = llm.tokenizer.eos_token_id
+        # The EOS token made likely, and not a stop: it lands in the output, and in the text only when kept.
+        params = dict(max_new_tokens=6, temperature=0, ignore_eos=True, logit_bias={eos: 100.0})
+        kept, skipped = (
+            llm.generate(["x"], SamplingParams(**params, skip_special_tokens=s), use_tqdm=False)[0]
+            for s in (False, True)
+        )
+    assert eos in kept.token_ids and llm.tokenizer.eos_token in kept.text
+    assert llm.tokenizer.eos_token not in skipped.text

@@ -261,3 +261,19 @@ def test_output_without_calls_stays_content_through_the_parser(llm):
     assert (out.choices[0].message.content, out.choices[0].message.tool_calls) == (text, None)
     assert out.choices[0].finish_reason == "length" == chunks[-1].choices[0].finish_reason
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+
+@pytest.mark.parametrize("parser, keeps", [("mistral", True), ("hermes", False), (None, False)])
+def test_a_parser_whose_marker_is_a_special_token_keeps_special_tokens_in_the_text(llm, parser, keeps):
+    """Mistral's [TOOL_CALLS] is a special token, which the detokenizer skips by default: the request it parses keeps
+    them (tests/test_detokenizer.py checks that the text then holds them)."""
+    seen = []
+    app = create_app(llm, served_model_name=MODEL, tool_call_parser=parser)
+    engine = app.state.server.engine
+    submit = engine.submit
+    engine.submit = lambda requests: seen.extend(r.params for r in requests) or submit(requests)
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        extra = {"tools": TOOLS} if parser else {}
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, **extra)
+    assert [p.skip_special_tokens for p in seen] == [not keeps]

@@ -20,17 +20,17 @@ from typing import Any
 _REPLACEMENT = "\ufffd"
 
 
-def window_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, by the Rust backend when that gives the same."""
+def window_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=...)`, by the Rust backend when that gives the same."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return functools.partial(tokenizer.decode, skip_special_tokens=True)
-    return functools.partial(backend.decode, skip_special_tokens=True)
+        return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()):
-        self._decode = window_decoder(tokenizer)
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), *, skip_special_tokens: bool = True):
+        self._decode = window_decoder(tokenizer, skip_special_tokens)
         self._ids: list[int] = []
         self._prefix = 0  # the window starts here: decoded alone, it gives the text already emitted
         self._read = 0  # tokens before this one are in `text`

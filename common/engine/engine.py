@@ -144,7 +144,9 @@ class Engine:
         )
         detokenizer = None
         if self.tokenizer is not None and (detokenize or params.stop):
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens
+            )
         arrival = time.perf_counter()
         request = Request(next(self._ids), prompt_ids, params, detokenizer=detokenizer, arrival_time=arrival)
         if params.structured_output is not None:  # compiled here, in the caller's thread, not in the engine loop
@@ -395,11 +397,11 @@ class Engine:
         self.requests.pop(req.request_id, None)
         self.scheduler.finish(req)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def text_of(self, req: Request) -> str | None:
         """The output text (cut before the stop string where one ended it); None without a tokenizer."""
         if req.detokenizer is not None:
             return req.detokenizer.text
-        return None if self.tokenizer is None else self.decode(req.output_ids)
+        return None if self.tokenizer is None else self.decode(req.output_ids, req.params.skip_special_tokens)

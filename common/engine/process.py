@@ -128,7 +128,9 @@ class EngineProcess:
             prompt_ids, params, facts.context_length, facts.vocab_size, self.tokenizer is not None
         )
         # Text is decoded here, except for requests with stop strings (the child decodes those: see above).
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None and not params.stop else None
+        detokenizer = None
+        if self.tokenizer is not None and not params.stop:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         if params.structured_output is not None:
             self._grammars.matcher(params.structured_output)
         return Request(next(self._ids), prompt_ids, params, detokenizer=detokenizer, arrival_time=time.perf_counter())

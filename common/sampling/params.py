@@ -38,9 +38,10 @@ class SamplingParams:
     token already in the output; repetition_penalty (HF's and vLLM's, > 0, 1 off) divides the positive logits and
     multiplies the negative ones of every token in the prompt or the output; logit_bias adds to the logits of the
     token ids it names; min_tokens keeps EOS and stop_token_ids from being sampled before that many new tokens.
-    max_new_tokens None: generate until a stop rule or the context length (an explicit number that does not fit
-    in the context with the prompt is an error). stop / stop_token_ids / ignore_eos are stored for the engine;
-    `stop` is normalised to a list.
+    skip_special_tokens (vLLM's, default True) leaves special tokens out of the text; False keeps them (a tool call
+    parser that looks for one, as Mistral's [TOOL_CALLS]). max_new_tokens None: generate until a stop rule or the
+    context length (an explicit number that does not fit in the context with the prompt is an error). stop /
+    stop_token_ids / ignore_eos are stored for the engine; `stop` is normalised to a list.
     """
 
     max_new_tokens: int | None = 16
@@ -54,6 +55,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -84,6 +86,8 @@ class SamplingParams:
             raise _bad("prompt_logprobs", self.prompt_logprobs, "an int >= 0 (0: each prompt token's only), or None")
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "True or False")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise _bad("skip_special_tokens", self.skip_special_tokens, "True or False")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2 <= value <= 2:

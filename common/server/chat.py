@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -216,6 +217,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
     params = sampling_params(
         body, max_tokens=max_tokens, logprobs=n_top if body.logprobs else None, structured_output=constraint
     )
+    if parser is not None and forced is None and parser.needs_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)  # or the parser would never see its marker
     # The template and the tokenizer take seconds for a prompt of megabytes, and a large schema to compile: in a
     # worker thread, so that the event loop goes on answering /health and streaming meanwhile (the tokenizer's Rust
     # half releases the GIL).

@@ -54,6 +54,7 @@ def sampling_params(
         stop=body.stop or None,
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,

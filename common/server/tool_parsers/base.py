@@ -143,6 +143,8 @@ class ToolParser:
     state of a message lives in its Scanner."""
 
     name: ClassVar[str]
+    # Its marker is a special token (Mistral's [TOOL_CALLS]): the request's text must keep special tokens.
+    needs_special_tokens: ClassVar[bool] = False
 
     def scanner(self) -> Scanner:
         raise NotImplementedError

@@ -9,8 +9,8 @@ sent back to them ("Tool call IDs should be alphanumeric strings with length 9!"
 Sources: vLLM's vllm/entrypoints/openai/tool_parsers/mistral_tool_parser.py (the pre-v11 format, and the ids, after
 mistral_common's validator) and examples/tool_chat_template_mistral.jinja. The v11+ format
 ([TOOL_CALLS]name{arguments}) is not parsed: it stays content.
-[TOOL_CALLS] is a special token in Mistral's HF tokenizers, and omnirun's detokenizer skips special tokens: with
-those tokenizers the marker never reaches the text, so no call is found until the engine can keep it.
+[TOOL_CALLS] is a special token in Mistral's HF tokenizers, which the detokenizer skips by default: chat requests
+parsed by this parser keep special tokens in their text (SamplingParams.skip_special_tokens False), as vLLM does.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ def _calls(text: str) -> list[ToolCall]:
 
 class MistralParser(ToolParser):
     name = "mistral"
+    needs_special_tokens = True
 
     def scanner(self) -> MistralScanner:
         return MistralScanner()
