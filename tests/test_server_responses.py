@@ -4,7 +4,10 @@ which templates the same messages."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import random
 import re
 import time
 
@@ -191,9 +194,9 @@ REFUSED = [
     ({"previous_response_id": "resp_abc"}, "this server keeps no responses", "previous_response_id"),
     ({"conversation": "conv_abc"}, "keeps no conversations", "conversation"),
     ({"background": True}, "keeps no responses to poll", "background"),
-    (  # tools with tool_choice auto (required and named are served: test_server_structured.py)
+    (  # tools with tool_choice auto on a server without --tool-call-parser (required and named need none)
         {"tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}]},
-        "tools with tool_choice 'auto' (the default with tools): reading a model's own calls is not built",
+        "needs a tool call parser: start the server with --tool-call-parser",
         "tool_choice",
     ),
     ({"tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
@@ -307,3 +310,194 @@ def test_a_client_that_disconnects_has_its_response_aborted_and_pages_freed(llm,
         with pytest.raises(httpx.ReadTimeout):  # a response not streamed, whose client gives up waiting
             http.post("/v1/responses", json=body, timeout=0.3)
         assert _pool_whole_within(llm, 1.0) < 1.0
+
+
+# --- tool_choice auto: the model's own calls, read by the server's --tool-call-parser ---
+
+# The embedded model's template ignores tools: this one (as tests/test_server_tools.py's) writes them into the prompt.
+TOOLS_TEMPLATE = """
+{%- if tools %}<s>system
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</s>
+{% endif %}
+{%- for message in messages %}<s>{{ message.role }}
+{{ message.content }}</s>
+{% endfor %}{% if add_generation_prompt %}<s>assistant
+{% endif %}"""
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER_SCHEMA},
+    {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}},
+]
+WEATHER = ("get_weather", {"city": "Paris", "note": 'a "quoted" {brace} <b>'})
+TIME = ("get_time", {"zone": "CET", "nested": {"list": [1, {"x": "]"}]}})
+
+
+def _hermes(call) -> str:
+    return f"<tool_call>\n{json.dumps({'name': call[0], 'arguments': call[1]})}\n</tool_call>"
+
+
+# (what the model writes, the output items it makes: ("message", text) or ("function_call", (name, arguments)))
+CALLS_AFTER_TEXT = (
+    f"Checking.\n{_hermes(WEATHER)}\n{_hermes(TIME)}",
+    [("message", "Checking.\n"), ("function_call", WEATHER), ("function_call", TIME)],
+)
+TEXT_AFTER_A_CALL = (
+    f"{_hermes(TIME)} Done.",
+    [("function_call", TIME), ("message", " Done.")],
+)
+NO_CALL = ("No call: 1 < 2, <b>bold</b>, <tool_call>not json</tool_call>.", None)
+
+
+def _pieces(script: str) -> list[str]:
+    """`script` in pieces of 1 to 6 characters, one a token, cut where a tokenizer would not cut it."""
+    rng, pieces, at = random.Random(0), [], 0
+    while at < len(script):
+        size = rng.randint(1, 6)
+        pieces.append(script[at : at + size])
+        at += size
+    return pieces
+
+
+class _Scripted:
+    """A request group whose model says `script`: each delta keeps its tokens, its text is the next pieces (a piece
+    a token, the rest with the last delta), and the last one finishes with "stop", as a model that ends there."""
+
+    def __init__(self, group, pieces: list[str]):
+        self._group, self._pieces = group, pieces
+        self.requests = group.requests
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info):
+        self._group.abort()
+
+    def abort(self) -> None:
+        self._group.abort()
+
+    async def __aiter__(self):
+        said = 0
+        async for index, delta in self._group:
+            end = len(self._pieces) if delta.finish_reason is not None else said + len(delta.token_ids)
+            text, said = "".join(self._pieces[said:end]), end
+            yield index, dataclasses.replace(delta, text=text, finish_reason=delta.finish_reason and "stop")
+
+
+@contextlib.contextmanager
+def _serving(llm, parser: str | None, script: str):
+    """A server over `llm` with `--tool-call-parser parser`, whose model says `script` (its template shows tools);
+    yields the client and the request's arguments."""
+    template, llm.tokenizer.chat_template = llm.tokenizer.chat_template, TOOLS_TEMPLATE
+    app = create_app(llm, served_model_name=MODEL, tool_call_parser=parser)
+    engine, pieces = app.state.server.engine, _pieces(script)
+    submit = engine.submit
+    engine.submit = lambda requests: _Scripted(submit(requests), pieces)
+    args = {"model": MODEL, "input": "Weather in Paris?", "tools": TOOLS, "max_output_tokens": len(pieces)}
+    args["extra_body"] = {"ignore_eos": True}  # the model says all of the script
+    try:
+        with running_server(app) as url:
+            yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), args
+    finally:
+        llm.tokenizer.chat_template = template
+
+
+def _items(output) -> list[tuple[str, object]]:
+    """Output items as ("message", text) or ("function_call", (name, arguments as a dict))."""
+    return [
+        ("message", "".join(part.text for part in item.content))
+        if item.type == "message"
+        else ("function_call", (item.name, json.loads(item.arguments)))
+        for item in output
+    ]
+
+
+def _prompt_tokens(llm, tools) -> int:
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    text = llm.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return len(llm.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@pytest.mark.parametrize("script, items", [CALLS_AFTER_TEXT, TEXT_AFTER_A_CALL], ids=["text-calls", "call-text"])
+def test_auto_tool_choice_reads_the_calls_in_the_text_into_function_call_items(llm, script, items):
+    with _serving(llm, "hermes", script) as (client, args):
+        out = client.responses.create(**args)  # tool_choice auto: the default with tools
+        as_chat = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+        assert out.usage.input_tokens == _prompt_tokens(llm, as_chat) > _prompt_tokens(llm, None) + 40  # the tools
+    assert _items(out.output) == items and out.status == "completed" and out.tool_choice == "auto"
+    assert all(item.status == "completed" for item in out.output)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", c.call_id) and c.id.startswith("fc_") for c in calls)
+    assert len({c.call_id for c in calls}) == len(calls)
+    assert [c.arguments for c in calls] == [json.dumps(call[1]) for kind, call in items if kind == "function_call"]
+
+
+@pytest.mark.parametrize("script, items", [CALLS_AFTER_TEXT, TEXT_AFTER_A_CALL], ids=["text-calls", "call-text"])
+def test_auto_tool_choice_streams_events_that_assemble_into_the_same_items(llm, script, items):
+    with _serving(llm, "hermes", script) as (client, args):
+        events = list(client.responses.create(stream=True, **args))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    completed = events[-1]
+    assert completed.type == "response.completed" and completed.response.status == "completed"
+    assert _items(completed.response.output) == items  # the SDK's final response
+
+    # the deltas, put together by hand: each item added, filled, done before the next is added (as OpenAI streams)
+    mine: list[dict] = []
+    for event in events[2:-1]:
+        if event.type == "response.output_item.added":
+            assert event.output_index == len(mine) and (not mine or mine[-1]["done"])
+            mine.append({"item": event.item, "text": "", "arguments": "", "done": False})
+            continue
+        own = mine[event.output_index]
+        assert not own["done"] and getattr(event, "item_id", own["item"].id) == own["item"].id
+        if event.type == "response.output_text.delta":
+            own["text"] += event.delta
+        elif event.type == "response.function_call_arguments.delta":
+            own["arguments"] += event.delta
+        elif event.type == "response.output_text.done":
+            assert event.text == own["text"]
+        elif event.type == "response.function_call_arguments.done":
+            assert event.arguments == own["arguments"]
+        elif event.type == "response.output_item.done":
+            own["done"] = True
+            assert event.item.id == own["item"].id == completed.response.output[event.output_index].id
+    assert all(own["done"] for own in mine)
+    assembled = [
+        ("message", own["text"]) if own["item"].type == "message" else (own["item"].name, own["arguments"])
+        for own in mine
+    ]
+    assert assembled == [("message", x) if kind == "message" else (x[0], json.dumps(x[1])) for kind, x in items]
+    texts = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(texts) > 1  # the message's text streams as it comes, not at the end
+
+
+def test_text_without_a_call_stays_one_message_through_the_parser(llm):
+    script, _ = NO_CALL
+    with _serving(llm, "hermes", script) as (client, args):
+        out = client.responses.create(**args)
+        events = list(client.responses.create(stream=True, **args))
+    assert _items(out.output) == _items(events[-1].response.output) == [("message", script)]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == script
+
+
+def test_tool_choice_none_leaves_the_text_whole_and_needs_no_parser(llm):
+    script, _ = CALLS_AFTER_TEXT
+    for parser in ("hermes", None):
+        with _serving(llm, parser, script) as (client, args):
+            out = client.responses.create(tool_choice="none", **args)
+            events = list(client.responses.create(tool_choice="none", stream=True, **args))
+        assert _items(out.output) == _items(events[-1].response.output) == [("message", script)]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == script
+
+
+def test_auto_tool_choice_without_a_parser_is_a_one_line_400_naming_the_flag(llm):
+    script, _ = CALLS_AFTER_TEXT
+    with _serving(llm, None, script) as (client, args):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.responses.create(stream=stream, **args)
+            error = info.value.body
+            assert "--tool-call-parser (hermes, llama3_json, mistral)" in error["message"]
+            assert "'required'" in error["message"] and "\n" not in error["message"]
+            assert error["param"] == "tool_choice"

@@ -1,5 +1,6 @@
-"""POST /v1/responses (OpenAI's Responses API), stateless, as vLLM serves it: one assistant message of text, or the
-function calls that a tool_choice `required` or naming a function forces.
+"""POST /v1/responses (OpenAI's Responses API), stateless, as vLLM serves it: one assistant message of text, the
+function calls that a tool_choice `required` or naming a function forces, or (tool_choice `auto`) the calls that the
+server's --tool-call-parser reads out of the text, with the rest of the text as a message.
 
 `input` (a string, or messages whose content is a string or input_text parts, and earlier function_call items with
 the function_call_output items that answer them) and `instructions` (a system message placed first) become chat
@@ -8,8 +9,10 @@ with them; sampling, aborts on a client that went away, and usage are chat's too
 
 `text.format` json_schema or json_object constrains the message's text (server/structured.py); tool_choice `required`
 or `{"type": "function", "name": ...}` constrains the output to the calls, as in chat, returned as function_call
-items. Tools with tool_choice `auto` (the default with tools) are refused with a 400 naming those two: this route
-reads no model's own call format.
+items. Tools with tool_choice `auto` (the default with tools) go to the template as chat sends them and the text is
+read by the server's tool call parser (chat's tool_parser_for, a 400 naming --tool-call-parser without one): its
+calls become function_call items, the rest of the text one message, where it begins (before the calls, as models
+write it). tool_choice `none` leaves the text whole.
 
 Nothing is kept: `store` is accepted, true or false, and no response can be retrieved later; a request that needs
 a kept response (previous_response_id, conversation, background) is refused with a 400 saying so.
@@ -20,12 +23,15 @@ engine produces text), response.output_text.done, response.content_part.done, re
 response.completed with the whole response (as vLLM does, also when it stopped at max_output_tokens, with status
 incomplete). Forced calls stream each as response.output_item.added (the function_call, arguments empty),
 response.function_call_arguments.delta (as the engine produces them), response.function_call_arguments.done and
-response.output_item.done. An engine error mid-stream is an `error` event with chat's error body, and ends the stream.
+response.output_item.done. Parsed calls stream the same way, each once the parser has it whole (its arguments in
+one delta), beside the message's events for the text. An engine error mid-stream is an `error` event with chat's
+error body, and ends the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -37,7 +43,7 @@ from omnirun.engine import Request
 from omnirun.errors import OmnirunError
 from omnirun.sampling import SamplingParams
 from omnirun.server.async_engine import RequestGroup
-from omnirun.server.chat import chat_prompt
+from omnirun.server.chat import chat_prompt, tool_parser_for
 from omnirun.server.errors import OpenAIError
 from omnirun.server.generation import (
     Choice,
@@ -81,13 +87,12 @@ from omnirun.server.responses_protocol import (
 )
 from omnirun.server.state import ServerState
 from omnirun.server.structured import Constraint, ForcedCalls, json_schema, named_call, only_one, required_calls
-from omnirun.server.tool_parsers import ToolCallDelta
+from omnirun.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser
 from omnirun.structured import GrammarSpec
 
 _ROLES = ("user", "assistant", "system", "developer")
 # output_text: an earlier response's output, sent back as the conversation's history (nothing is kept here).
 _TEXT_PARTS = ("input_text", "output_text")
-_NOT_BUILT = "is not built into /v1/responses yet"
 
 
 def _refuse_what_is_not_built(body: ResponsesRequest) -> None:
@@ -125,7 +130,7 @@ def _functions(body: ResponsesRequest) -> dict[str, FunctionParam]:
 def _forced_calls(body: ResponsesRequest, functions: dict[str, FunctionParam]) -> ForcedCalls | None:
     """tool_choice required or naming a function (enforced by the grammar); None for plain text."""
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if functions else "none")
-    if choice == "none" or (choice == "auto" and not functions):  # (auto without tools: plain text, as served)
+    if choice in ("none", "auto"):  # plain text; or, auto with tools, the text read for calls (_tool_parser)
         return None
     if not functions:
         message = "tool_choice needs tools: send function tools, or leave tool_choice out"
@@ -135,14 +140,21 @@ def _forced_calls(body: ResponsesRequest, functions: dict[str, FunctionParam]) -
         return required_calls(schemas, parallel=body.parallel_tool_calls)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return named_call(schemas, choice["name"])
-    if choice == "auto":
-        message = (
-            f"tools with tool_choice 'auto' (the default with tools): reading a model's own calls {_NOT_BUILT}; send "
-            'tool_choice "required" or {"type": "function", "name": ...}, which the grammar enforces, or "none"'
-        )
-    else:
-        message = f'tool_choice {choice!r}: send "none", "required" or {{"type": "function", "name": ...}}'
+    message = f'tool_choice {choice!r}: send "none", "auto", "required" or {{"type": "function", "name": ...}}'
     raise OpenAIError(400, message, param="tool_choice")
+
+
+def _tool_parser(state: ServerState, body: ResponsesRequest, functions: dict[str, FunctionParam]) -> ToolParser | None:
+    """tool_choice auto with function tools: the server's --tool-call-parser, which reads the calls out of the text,
+    as chat's tool_parser_for picks it (a 400 without one); None: the output is all text, or the calls are forced."""
+    if not functions or body.tool_choice not in (None, "auto"):
+        return None
+    as_chat = ChatCompletionRequest.model_construct(tools=_chat_tools(functions), tool_choice="auto")
+    try:
+        return tool_parser_for(state, as_chat)
+    except OpenAIError as exc:  # no parser: chat's words, and the tool choices that need none
+        message = f'{exc.message}; \'required\' and {{"type": "function", "name": ...}} (the grammar\'s) need none'
+        raise OpenAIError(exc.status, message, param=exc.param) from None
 
 
 def _text_constraint(body: ResponsesRequest) -> list[Constraint]:
@@ -168,6 +180,10 @@ def _text(content: str | list[InputContentPart] | None, where: str) -> str:
     return "".join(texts)
 
 
+def _chat_tools(functions: dict[str, FunctionParam]) -> list[ToolParam] | None:
+    return [ToolParam(type="function", function=function) for function in functions.values()] or None
+
+
 def _as_chat(body: ResponsesRequest, functions: dict[str, FunctionParam]) -> ChatCompletionRequest:
     """The request as chat's messages: the instructions as a system message first, then the input's messages; a
     run of function_call items as one assistant message's tool_calls (as chat templates take parallel calls), a
@@ -175,7 +191,7 @@ def _as_chat(body: ResponsesRequest, functions: dict[str, FunctionParam]) -> Cha
     if isinstance(body.input, list) and not body.input:
         raise OpenAIError(400, "input is empty: send a string or at least one message", param="input")
     messages = [] if body.instructions is None else [ChatMessage(role="system", content=body.instructions)]
-    tools = [ToolParam(type="function", function=function) for function in functions.values()] or None
+    tools = _chat_tools(functions)
     if isinstance(body.input, str):
         messages.append(ChatMessage(role="user", content=body.input))
         return ChatCompletionRequest(messages=messages, tools=tools)
@@ -373,24 +389,133 @@ async def _stream_calls(
     yield event(ResponseStateEvent, type="response.completed", response=done)
 
 
+class _ParsedItems:
+    """The output items of a text read by a tool call parser (tool_choice auto), in the text's order, with the stream
+    events that build them, one item done before the next is added (as OpenAI streams them): a message for a run of
+    content (the text before the calls, as models write it), and a function_call item per call, whole when the
+    parser finds it (a call is sent once its JSON is whole and valid). The parser's scanner hands back content and
+    calls in order, whatever the pieces the text came in: the stream and the finished response agree."""
+
+    def __init__(self, event: _Events, parser: ToolParser) -> None:
+        self._event, self._parser, self._scanner = event, parser, parser.scanner()
+        self.items: list[OutputItem] = []
+        self._message: OutputMessage | None = None  # the open one, content arriving
+        self._where: dict[str, Any] = {}
+
+    def feed(self, text: str, *, last: bool) -> list[str]:
+        pieces = self._scanner.feed(text) if text else []
+        if last:
+            pieces += self._scanner.finish()
+        events = []
+        for piece in pieces:
+            events += self._call(piece) if isinstance(piece, ToolCall) else self._text(piece)
+        return events
+
+    def _text(self, text: str) -> list[str]:
+        message, events = self._message, []
+        if message is None:
+            message = self._message = OutputMessage(id=new_item_id("msg"), status="in_progress", content=[])
+            self.items.append(message)
+            at = len(self.items) - 1
+            self._where = {"item_id": message.id, "output_index": at, "content_index": 0}
+            events.append(
+                self._event(OutputItemEvent, type="response.output_item.added", output_index=at, item=message)
+            )
+            message.content.append(OutputText(text=""))
+            part = OutputText(text="")
+            events.append(self._event(ContentPartEvent, type="response.content_part.added", **self._where, part=part))
+        message.content[0].text += text
+        return [*events, self._event(TextDeltaEvent, **self._where, delta=text)] if text else events
+
+    def _call(self, call: ToolCall) -> list[str]:
+        events = self._close_message("completed")
+        item = FunctionCallItem(
+            id=new_item_id("fc"), call_id=self._parser.new_call_id(), name=call.name, arguments="", status="in_progress"
+        )
+        self.items.append(item)
+        at = len(self.items) - 1
+        events.append(self._event(OutputItemEvent, type="response.output_item.added", output_index=at, item=item))
+        item.arguments, item.status = call.arguments, "completed"
+        events.append(self._event(ArgumentsDeltaEvent, item_id=item.id, output_index=at, delta=item.arguments))
+        events.append(self._event(ArgumentsDoneEvent, item_id=item.id, output_index=at, arguments=item.arguments))
+        events.append(self._event(OutputItemEvent, type="response.output_item.done", output_index=at, item=item))
+        return events
+
+    def _close_message(self, status: Status) -> list[str]:
+        message, self._message = self._message, None
+        if message is None:
+            return []
+        message.status, part, at = status, message.content[0], self._where["output_index"]
+        return [
+            self._event(TextDoneEvent, **self._where, text=part.text),
+            self._event(ContentPartEvent, type="response.content_part.done", **self._where, part=part),
+            self._event(OutputItemEvent, type="response.output_item.done", output_index=at, item=message),
+        ]
+
+    def close(self, status: Status) -> list[str]:
+        """End the last message (status incomplete when the output was cut); an empty message when the text held
+        nothing, as a plain response has."""
+        events = self._text("") if not self.items else []
+        return events + self._close_message(status)
+
+
+def _parsed_items(parser: ToolParser, choice: Choice) -> list[OutputItem]:
+    items = _ParsedItems(_Events(), parser)
+    items.feed(choice.text, last=True)
+    items.close(_status(choice))
+    return items.items
+
+
+async def _stream_parsed(
+    started: ResponsesResponse, group: RequestGroup, parser: ToolParser, prompt: list[int], requests: list[Request]
+) -> AsyncIterator[str]:
+    event, choice = _Events(), Choice()
+    items = _ParsedItems(event, parser)
+    try:
+        async with group:
+            yield event(ResponseStateEvent, type="response.created", response=started)
+            yield event(ResponseStateEvent, type="response.in_progress", response=started)
+            async for _, delta in group:
+                choice.add(delta)
+                for line in items.feed(delta.text or "", last=delta.finish_reason is not None):
+                    yield line
+    except OmnirunError as exc:  # the engine failed mid-stream: say so as chat does, end the stream
+        yield f"event: error\n{sse_error(exc)}"
+        return
+    for line in items.close(_status(choice)):
+        yield line
+    done = _finished(started, list(items.items), choice, prompt, requests)
+    yield event(ResponseStateEvent, type="response.completed", response=done)
+
+
 async def create_response(body: ResponsesRequest, raw: HTTPRequest, state: ServerState):
     model = state.check_model(body.model)
     _refuse_what_is_not_built(body)
     functions = _functions(body)
     forced = _forced_calls(body, functions)
+    parser = _tool_parser(state, body, functions)
     constraint = only_one(_text_constraint(body) + ([forced.constraint] if forced is not None else []))
     params = sampling_params(body, max_tokens=body.max_output_tokens, logprobs=None, structured_output=constraint)
+    if parser is not None and parser.needs_special_tokens:  # as chat: or the parser would never see its marker
+        params = dataclasses.replace(params, skip_special_tokens=False)
     # The template and the tokenizer off the event loop, as chat does (seconds for a prompt of megabytes), and the
     # grammar's compile (seconds for a large schema).
     prompt, requests = await asyncio.to_thread(_prepare, state, body, functions, params)
     group = state.engine.submit(requests)
     started = _in_progress(body, model, params)
     if body.stream:
-        if forced is None:
-            events = _stream(started, group, prompt, requests)
-        else:
+        if forced is not None:
             events = _stream_calls(started, group, forced, prompt, requests)
+        elif parser is not None:
+            events = _stream_parsed(started, group, parser, prompt, requests)
+        else:
+            events = _stream(started, group, prompt, requests)
         return StreamingResponse(events, media_type="text/event-stream")
     [choice] = await until_disconnected(raw, collect(group), group)
-    output = [_message(new_item_id("msg"), choice)] if forced is None else _call_items(forced, choice)
+    if forced is not None:
+        output = _call_items(forced, choice)
+    elif parser is not None:
+        output = _parsed_items(parser, choice)
+    else:
+        output = [_message(new_item_id("msg"), choice)]
     return _finished(started, output, choice, prompt, requests)

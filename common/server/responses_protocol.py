@@ -88,6 +88,7 @@ class ResponsesRequest(_Request):
     repetition_penalty: float = Field(1.0, gt=0)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True  # False keeps special tokens in the text
 
 
 # --- the response ---
