@@ -2,8 +2,9 @@
 
 Every fact and control comes from stock torch. Decode graphs use torch.xpu.XPUGraph where this torch has it
 (torch >= 2.11). Where intel-extension-for-pytorch is installed *and* matches torch (IPEX X.Y needs torch X.Y), it
-adds the `ipex` attention backend and IPEX's fused ops (device_shared/ipex_*.py, shared with the cpu platform). IPEX's
-last release pins torch 2.10, which has no XPUGraph: on real installs IPEX and XPU graphs never meet.
+adds the `ipex` attention backend and IPEX's fused ops (device_shared/ipex_*.py, shared with the cpu platform), and
+`fused_moe` on IPEX's GatedMLPMOE (ipex_moe.py) where torch has no XPU graphs. IPEX's last release pins torch 2.10,
+which has no XPUGraph: on real installs IPEX and XPU graphs never meet.
 """
 
 from __future__ import annotations
@@ -91,8 +92,15 @@ class XpuPlatform(Platform):
         if not self._ipex_usable():
             return {}
         from omnirun.device_shared.ipex_ops import ipex_fused_ops  # imports IPEX
+        from omnirun.devices.xpu.ipex_moe import ipex_moe_ops
 
-        return ipex_fused_ops("xpu", fallback=portable_fused_ops(self.capabilities))
+        fallback = portable_fused_ops(self.capabilities)
+        ops = ipex_fused_ops("xpu", fallback=fallback)
+        # IPEX's MoE module reads each expert's row count on the host, and offering fused_moe turns decode graphs on
+        # for MoE models: only where this torch has no XPU graphs (every real IPEX install: ipex_moe.py says why).
+        if self.graph_api() is None:
+            ops.update(ipex_moe_ops(fallback))
+        return ops
 
     def notes(self) -> tuple[str, ...]:
         return ipex_notes("xpu")

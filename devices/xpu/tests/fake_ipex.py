@@ -9,6 +9,13 @@ strides as [pages, kv_heads, page_size, head_dim], fp8 only as e5m2, no silu_and
 
 The attention math runs without any host read (batches are padded to the max lengths IPEX is given), so it can be
 recorded by omnirun_fakes.device's RecordingGraph like a kernel in a device graph. `calls` counts each entry point.
+
+The XPU build's `llm.modules.GatedMLPMOE` (the mixture-of-experts module) follows v2.8.10+xpu on a GPU with XMX: the
+first forward keeps contiguous transposes of W13/W2 and re-points the tensors it was given at them (`W13.data = ...`),
+routes by softmax top-k in float32, renormalises where asked, runs silu(gate) * up per expert, refuses float32 where
+XeTLA's grouped GEMM runs (8 or 16 experts), and reads the row counts on the host as `rows_for_experts.to("cpu")` does
+(so a graph capture refuses it). Builds numbered 2.10 or later follow v2.10.10+xpu where it differs: they take
+`experts_start_id` (other experts' slots add nothing) and run XeTLA's GEMM, half and bfloat16 only, for any count.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import torch
 HALF = (torch.bfloat16, torch.float16)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+MOE_TOP_KS = (1, 2, 4, 6, 8)  # moe_scatter / moe_gather instantiations (MoeOps.cpp)
+MOE_DTYPES = (*KERNEL_DTYPES, torch.float64)  # topk_softmax / moe_scatter / moe_gather dispatch
 
 
 def _check(condition: bool, message: str) -> None:
@@ -330,6 +339,149 @@ def make_functional(build: str, calls: collections.Counter) -> types.SimpleNames
     return functional
 
 
+def make_gated_mlp_moe(calls: collections.Counter, expert_offset: bool) -> type:
+    """ipex.llm.modules.GatedMLPMOE of the XPU build: v2.8.10+xpu's, with v2.10.10+xpu's `experts_start_id` where
+    `expert_offset`."""
+
+    class GatedMLPMOE:
+        expert_offset = False  # v2.10.10's experts_start_id
+        fused_gemm_for_any_count = False  # v2.10.10's moe_gemm: XeTLA's persistent kernel for any expert count
+
+        def __init__(
+            self,
+            W13,  # noqa: N803 - IPEX's argument names
+            W2,  # noqa: N803
+            W3=None,  # noqa: N803
+            use_prepack=True,
+            w1_scale_inv=None,
+            w2_scale_inv=None,
+            a1_scale_inv=None,
+            a2_scale_inv=None,
+        ):
+            calls["GatedMLPMOE"] += 1
+            _check(W3 is None, "only the fused W13 [E, 2I, H] is faked")
+            scales = (w1_scale_inv, w2_scale_inv, a1_scale_inv, a2_scale_inv)
+            _check(all(scale is None for scale in scales), "the fp8 scales are not faked")
+            self.W13, self.W2, self.use_prepack = W13, W2, use_prepack
+            self.experts_start_id = 0
+            self.device_type = None
+
+        def _init_on_device(self) -> None:
+            # _IPEXGatedMLPMOEXPU.__init__: contiguous transposes, then the given tensors re-pointed at them.
+            self.num_experts = self.W2.shape[0]
+            self.W13_t = torch.transpose(self.W13, 1, 2).contiguous()  # [E, H, 2I]
+            self.W2_t = torch.transpose(self.W2, 1, 2).contiguous()  # [E, I, H]
+            self.W13.data = self.W13_t  # "delete original weight to avoid memory pressure"
+            self.W2.data = self.W2_t
+
+        def __call__(self, *args, **kwargs):
+            return self.forward(*args, **kwargs)
+
+        def forward(
+            self,
+            hidden_states,
+            use_grouped_topk,
+            top_k,
+            router_logits,
+            renormalize,
+            topk_group=None,
+            num_expert_group=None,
+            custom_routing_function=None,
+            scoring_func="softmax",
+            e_score_correction_bias=None,
+        ):
+            calls["GatedMLPMOE.forward"] += 1
+            if self.device_type != hidden_states.device.type:
+                self.device_type = hidden_states.device.type
+                self._init_on_device()
+            _check(not use_grouped_topk and custom_routing_function is None, "only softmax top-k routing is faked")
+            return _gated_mlp_moe(self, hidden_states, top_k, router_logits, renormalize)
+
+    if not expert_offset:
+        return GatedMLPMOE
+
+    class GatedMLPMOEWithOffset(GatedMLPMOE):
+        expert_offset = fused_gemm_for_any_count = True
+
+        def __init__(
+            self,
+            W13,  # noqa: N803 - IPEX's argument names
+            W2,  # noqa: N803
+            W3=None,  # noqa: N803
+            use_prepack=True,
+            w1_scale_inv=None,
+            w2_scale_inv=None,
+            a1_scale_inv=None,
+            a2_scale_inv=None,
+            w13_bias=None,
+            w2_bias=None,
+            is_mxfp4=False,
+            is_fp8=False,
+            is_int4=False,
+            experts_start_id=0,
+        ):
+            super().__init__(W13, W2, W3, use_prepack, w1_scale_inv, w2_scale_inv, a1_scale_inv, a2_scale_inv)
+            _check(w13_bias is None and w2_bias is None, "expert biases are not faked")
+            _check(not (is_mxfp4 or is_fp8 or is_int4), "quantized experts are not faked")
+            self.experts_start_id = experts_start_id
+
+    GatedMLPMOEWithOffset.__name__ = GatedMLPMOEWithOffset.__qualname__ = "GatedMLPMOE"
+    return GatedMLPMOEWithOffset
+
+
+def _gated_mlp_moe(module, hidden_states, top_k, router_logits, renormalize) -> torch.Tensor:
+    """_IPEXGatedMLPMOEXPU.forward with the kernels' checks (csrc/gpu/aten/operators/MoeOps.cpp, moe_gemm.cpp)."""
+    _check(router_logits.dim() == 2, f"gating_output must be 2D tensor, but got {router_logits.dim()}D")
+    tokens, experts = router_logits.shape
+    _check(experts <= 128, f"n_experts only support up to 128, but got {experts}")
+    _check(router_logits.dtype in MOE_DTYPES, f"fused_topk_softmax_kernel not implemented for {router_logits.dtype}")
+    _check(hidden_states.dim() == 2, f"activation must be 2D tensor, but got {hidden_states.dim()}D")
+    _check(hidden_states.shape[0] == tokens, "Number of tokens mismatch")
+    # The kernels index raw pointers as dense [tokens, ...] rows.
+    _check(hidden_states.is_contiguous() and router_logits.is_contiguous(), "inputs must be contiguous")
+    _check(top_k in MOE_TOP_KS, f"error: not support topk={top_k},")
+    _check(0 < top_k <= experts, f"top_k {top_k} of {experts} experts")
+    dtype, hidden = hidden_states.dtype, hidden_states.shape[1]
+    _check(dtype in MOE_DTYPES, f"moe_scatter not implemented for {dtype}")
+    local, w13, w2 = module.num_experts, module.W13_t, module.W2_t
+    _check(local <= 256, "MoEScatter::GroupWorkItem is expected to be larger than num_expert")
+    _check(hidden % (16 // hidden_states.element_size()) == 0, "n_channels is expected to be aligned to ElemsPerItem")
+    _check(w13.dtype == dtype and w2.dtype == dtype, f"moe_gemm: weights {w13.dtype}/{w2.dtype} for {dtype} rows")
+    _check(w13.dim() == 3 and w13.shape[1] == hidden, "matrix_b must have the same size as matrix_a in the second dim")
+    inter = w13.shape[2] // 2
+    _check(w2.shape == (local, inter, hidden), f"W2 {tuple(w2.shape)} does not follow W13 {tuple(w13.shape)}")
+    # moe_gemm on a GPU with 2D block loads and XMX (the Max 1550 this fake stands for): XeTLA's grouped GEMM, for 8 or
+    # 16 experts in v2.8.10 (any count from v2.10.10), whatever the dtype; it takes half and bfloat16 only.
+    if module.fused_gemm_for_any_count or local in (8, 16):
+        _check(dtype in HALF, "Error in moegemm: run into Unsupported data type, only support half and bfloat16 now.")
+    start = module.experts_start_id
+    if module.expert_offset:  # v2.10.10: slots of experts outside start .. start + local - 1 are skipped
+        _check(0 <= start and start + local <= experts, f"experts {start}.. of {local} beyond the logits' {experts}")
+    else:  # v2.8.10: topk_softmax counts rows for every column of the logits, moe_scatter for the module's experts
+        _check(experts == local, f"logits over {experts} experts for a module of {local} (no experts_start_id)")
+    # topk_softmax: the top_k largest logits, their softmax over all experts, in float32.
+    weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:  # moe_gather, before the sum: over all top_k weights, other ranks' included
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = torch.where(total > 0, weights / total, weights)
+    local_ids = ids - start
+    mine = (local_ids >= 0) & (local_ids < local)
+    # rows_for_experts.to("cpu"): each expert's row count on the host, read as moe_gemm's per-expert loop reads them
+    # (`rows_for_experts_cpu[i].item()`; the fused kernel computes its launch range from them).
+    rows_for_experts = torch.bincount(local_ids[mine], minlength=local)
+    counts = [rows_for_experts[expert].item() for expert in range(local)]
+    out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        rows, slots = torch.where(mine & (local_ids == expert))
+        gate_up = hidden_states[rows] @ w13[expert]  # moe_gemm: [rows, 2I] in the activations' dtype
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        down = (torch.nn.functional.silu(gate) * up).to(dtype) @ w2[expert]  # silu_and_mul, then moe_gemm
+        out.index_add_(0, rows, down.float() * weights[rows, slots, None])  # moe_gather: float32, rounded once
+    return out.to(dtype)
+
+
 def matching_version(build: str) -> str:
     """An IPEX version that matches this torch: X.Y.10+xpu (how Intel numbers its XPU builds) or X.Y.0+cpu."""
     major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
@@ -347,6 +499,9 @@ def make_ipex(build: str = "xpu", version: str | None = None) -> types.ModuleTyp
         modules=types.SimpleNamespace(PagedAttention=make_paged_attention(build, module.calls)),
         functional=make_functional(build, module.calls),
     )
+    if build == "xpu":
+        major, minor = (int(part) for part in module.__version__.split(".")[:2])
+        llm.modules.GatedMLPMOE = make_gated_mlp_moe(module.calls, expert_offset=(major, minor) >= (2, 10))
     module.llm = llm
     return module
 
