@@ -46,6 +46,11 @@ class SamplingParamsError(OmnirunError):
     """A sampling parameter is out of range."""
 
 
+class StructuredOutputError(OmnirunError, ValueError):
+    """A structured-output constraint that cannot be compiled (a bad schema, regex or grammar), or no backend to
+    compile it."""
+
+
 class WeightUpdateError(OmnirunError):
     """A weight update was refused or failed; the previous weights are still in place."""
 

@@ -112,7 +112,7 @@ def test_a_tokenizer_directory_without_a_tokenizer(bad_model_dirs, no_model_load
 
 # (SamplingParams keyword arguments, the field the message names)
 SAMPLING_CASES = [
-    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(max_new_tokens=-1), "max_new_tokens=-1"),
     (dict(max_new_tokens=-3), "max_new_tokens=-3"),
     (dict(max_new_tokens=2.5), "max_new_tokens=2.5"),
     (dict(temperature=-0.1), "temperature=-0.1"),
@@ -227,7 +227,7 @@ CLI_CASES = [
     (["generate", "--top-p", "0"], "top_p=0.0"),
     (["generate", "--top-k", "-5"], "top_k=-5"),
     (["generate", "--min-p", "2"], "min_p=2.0"),
-    (["generate", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    (["generate", "--max-new-tokens", "-1"], "max_new_tokens=-1"),
     (["generate", "--page-size", "0"], "--page-size must be >= 1, got 0"),
     (["generate", "--mem-fraction-static", "2"], "--mem-fraction-static must be in (0, 1], got 2.0"),
     (["generate", "--max-total-tokens", "10"], "--max-total-tokens 10 cannot hold"),

@@ -321,6 +321,7 @@ FLOORS = {
             "sampling",
             "loader",
             "quantization",
+            "structured",
         ],
         2,
     ),

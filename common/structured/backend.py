@@ -9,12 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
-from omnirun.errors import OmnirunError
+from omnirun.errors import StructuredOutputError
 from omnirun.structured.spec import GrammarSpec
-
-
-class StructuredOutputError(OmnirunError, ValueError):
-    """A constraint that cannot be compiled (a bad schema, regex or grammar), or no backend to compile it."""
 
 
 class GrammarMatcher(Protocol):

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnirun.structured.backend import StructuredOutputError
+from omnirun.errors import StructuredOutputError
 from omnirun.structured.spec import GrammarSpec
 
 _CACHE_SIZE = 256  # distinct specs kept compiled
