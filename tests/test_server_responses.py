@@ -5,9 +5,7 @@ which templates the same messages."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import random
 import re
 import time
 
@@ -19,7 +17,7 @@ from openai.types.responses import Response
 from omnirun.engine import LLM
 from omnirun.errors import EngineStepError
 from omnirun.server.app import create_app
-from omnirun.server.testing import running_server
+from omnirun.server.testing import ScriptedText, running_server, script_pieces
 
 MODEL = "tiny"
 KEY = "test-key"
@@ -349,51 +347,20 @@ TEXT_AFTER_A_CALL = (
 NO_CALL = ("No call: 1 < 2, <b>bold</b>, <tool_call>not json</tool_call>.", None)
 
 
-def _pieces(script: str) -> list[str]:
-    """`script` in pieces of 1 to 6 characters, one a token, cut where a tokenizer would not cut it."""
-    rng, pieces, at = random.Random(0), [], 0
-    while at < len(script):
-        size = rng.randint(1, 6)
-        pieces.append(script[at : at + size])
-        at += size
-    return pieces
-
-
-class _Scripted:
-    """A request group whose model says `script`: each delta keeps its tokens, its text is the next pieces (a piece
-    a token, the rest with the last delta), and the last one finishes with "stop", as a model that ends there."""
-
-    def __init__(self, group, pieces: list[str]):
-        self._group, self._pieces = group, pieces
-        self.requests = group.requests
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc_info):
-        self._group.abort()
-
-    def abort(self) -> None:
-        self._group.abort()
-
-    async def __aiter__(self):
-        said = 0
-        async for index, delta in self._group:
-            end = len(self._pieces) if delta.finish_reason is not None else said + len(delta.token_ids)
-            text, said = "".join(self._pieces[said:end]), end
-            yield index, dataclasses.replace(delta, text=text, finish_reason=delta.finish_reason and "stop")
-
-
 @contextlib.contextmanager
 def _serving(llm, parser: str | None, script: str):
     """A server over `llm` with `--tool-call-parser parser`, whose model says `script` (its template shows tools);
     yields the client and the request's arguments."""
     template, llm.tokenizer.chat_template = llm.tokenizer.chat_template, TOOLS_TEMPLATE
     app = create_app(llm, served_model_name=MODEL, tool_call_parser=parser)
-    engine, pieces = app.state.server.engine, _pieces(script)
-    submit = engine.submit
-    engine.submit = lambda requests: _Scripted(submit(requests), pieces)
-    args = {"model": MODEL, "input": "Weather in Paris?", "tools": TOOLS, "max_output_tokens": len(pieces)}
+    engine = app.state.server.engine
+    engine.submit = ScriptedText(engine.submit, script, finish_reason="stop")  # as a model that ends there
+    args = {
+        "model": MODEL,
+        "input": "Weather in Paris?",
+        "tools": TOOLS,
+        "max_output_tokens": len(script_pieces(script)),
+    }
     args["extra_body"] = {"ignore_eos": True}  # the model says all of the script
     try:
         with running_server(app) as url:

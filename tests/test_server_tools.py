@@ -6,9 +6,7 @@ with a known one (ScriptedText); everything else (tokens, finish, streaming) is 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import random
 import re
 
 import openai
@@ -17,7 +15,7 @@ import pytest
 from omnirun.engine import LLM
 from omnirun.errors import ConfigError
 from omnirun.server.app import create_app
-from omnirun.server.testing import running_server
+from omnirun.server.testing import ScriptedText, running_server, script_pieces
 
 MODEL = "tiny"
 FLAGS = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192}
@@ -89,51 +87,6 @@ def serving(llm, parser: str | None = None, script: str | None = None):
         engine.submit = ScriptedText(engine.submit, script)
     with running_server(app) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-def script_pieces(script: str) -> list[str]:
-    """`script` in pieces of 1 to 6 characters: one per token the model generates."""
-    rng, pieces, at = random.Random(0), [], 0
-    while at < len(script):
-        size = rng.randint(1, 6)
-        pieces.append(script[at : at + size])
-        at += size
-    return pieces
-
-
-class ScriptedText:
-    """Wraps AsyncEngine.submit: each request's deltas keep their tokens and finish, but their text is the next
-    pieces of `script` (a piece per token, the rest with the last delta). Run with max_tokens = the number of pieces
-    and ignore_eos, the model says exactly `script`, in pieces cut as a tokenizer's would not be."""
-
-    def __init__(self, submit, script: str):
-        self._submit, self._pieces = submit, script_pieces(script)
-
-    def __call__(self, requests):
-        return _ScriptedGroup(self._submit(requests), self._pieces)
-
-
-class _ScriptedGroup:
-    def __init__(self, group, pieces: list[str]):
-        self._group, self._pieces = group, pieces
-        self.requests = group.requests
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc_info):
-        self._group.abort()
-
-    def abort(self) -> None:
-        self._group.abort()
-
-    async def __aiter__(self):
-        said = [0] * len(self.requests)
-        async for index, delta in self._group:
-            end = len(self._pieces) if delta.finish_reason is not None else said[index] + len(delta.token_ids)
-            text = "".join(self._pieces[said[index] : end])
-            said[index] = end
-            yield index, dataclasses.replace(delta, text=text)
 
 
 def _prompt_tokens(llm, messages, tools=None) -> int:

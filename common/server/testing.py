@@ -4,11 +4,14 @@ wait for an `omnirun serve` started as a process of its own."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import random
 import socket
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -54,3 +57,49 @@ def wait_until_healthy(url: str, server: subprocess.Popen, *, timeout_s: float =
         except httpx.TransportError:
             assert time.monotonic() < deadline, f"the server did not start within {timeout_s:.0f} s"
             time.sleep(0.2)
+
+
+def script_pieces(script: str) -> list[str]:
+    """`script` in pieces of 1 to 6 characters: one per token the model generates, cut where a tokenizer would not."""
+    rng, pieces, at = random.Random(0), [], 0
+    while at < len(script):
+        size = rng.randint(1, 6)
+        pieces.append(script[at : at + size])
+        at += size
+    return pieces
+
+
+class ScriptedText:
+    """Wraps AsyncEngine.submit: each request's deltas keep their tokens, but their text is the next pieces of
+    `script` (a piece per token, the rest with the last delta), and the last delta's finish reason is
+    `finish_reason` where one is given. Run with max_tokens = the number of pieces and ignore_eos, the model says
+    exactly `script`: what a test of a parser needs from a model whose weights are random."""
+
+    def __init__(self, submit: Any, script: str, *, finish_reason: str | None = None):
+        self._submit, self._pieces, self._reason = submit, script_pieces(script), finish_reason
+
+    def __call__(self, requests: Any) -> _ScriptedGroup:
+        return _ScriptedGroup(self._submit(requests), self._pieces, self._reason)
+
+
+class _ScriptedGroup:
+    def __init__(self, group: Any, pieces: list[str], finish_reason: str | None):
+        self._group, self._pieces, self._reason = group, pieces, finish_reason
+        self.requests = group.requests
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info):
+        self._group.abort()
+
+    def abort(self) -> None:
+        self._group.abort()
+
+    async def __aiter__(self):
+        said = [0] * len(self.requests)
+        async for index, delta in self._group:
+            end = len(self._pieces) if delta.finish_reason is not None else said[index] + len(delta.token_ids)
+            text, said[index] = "".join(self._pieces[said[index] : end]), end
+            reason = delta.finish_reason and (self._reason or delta.finish_reason)
+            yield index, dataclasses.replace(delta, text=text, finish_reason=reason)
