@@ -275,7 +275,10 @@ class Engine:
                 done = self.runner.platform.event()
                 done.record()
             return _Launched(step, [], None, None, None, None, done=done, prompt_logprobs=prompt_parts)
-        rows = step.sampling if step.every_logit is None else [logit_rows(step)[i] for i in step.sampling]
+        rows = step.sampling
+        if step.every_logit is not None:  # some requests' logits span their whole chunk: where each one's last is
+            last = logit_rows(step)
+            rows = [last[i] for i in step.sampling]
         if rows != list(range(logits.shape[0])):
             logits = logits[rows]
         params = [r.params for r in requests]
