@@ -38,8 +38,9 @@ from omnirun.distributed.weights_group import (
 )
 from omnirun.errors import DistributedInitError, KVPoolTooSmallError, ModelLoadError, WeightUpdateError
 from omnirun.graphs import DecodeGraphRunner
+from omnirun.layers.linear import Fp8Of, Linear, full_precision
 from omnirun.layers.moe import SparseMoE
-from omnirun.layers.ops import deterministic_ops, resolve_ops
+from omnirun.layers.ops import deterministic_ops, resolve_ops, runs_fp8_weights
 from omnirun.loader import (
     SafetensorsCheckpoint,
     context_length,
@@ -62,6 +63,7 @@ from omnirun.models.decoder import DecoderForCausalLM
 from omnirun.models.tp_layout import tp_layout
 from omnirun.platform import Platform
 from omnirun.quantization import dequantized, quantized_format
+from omnirun.quantization.fp8 import Fp8Format
 from omnirun.registry import select_platform
 from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory
 from omnirun.weights import apply_update, load_weights, read_weight, refuse_unless_agreed, update_problem
@@ -119,7 +121,8 @@ class ModelRunner:
         self.context_length = context_length(self.model_config, config.context_length)
         self.dtype = resolve_model_dtype(config.dtype, self.model_config, self.capabilities)
         # A quantized checkpoint's format (None: unquantized); one omnirun cannot load is refused here.
-        self.quantization = quantized_format(self.model_config) if config.load_format != "dummy" else None
+        # A dummy preset of a quantized shape has one too (random weights of its layout).
+        self.quantization = quantized_format(self.model_config)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.capabilities)
         # Without the flag, the most the default allows until the pool is planned and sets it (`plan_kv_pool`).
         self.max_running_requests = config.max_running_requests or DEFAULT_RUNNING_REQUESTS[1]
@@ -201,6 +204,7 @@ class ModelRunner:
                 dtype=self.dtype,
                 tp=self.tp,
                 layout=self.layout,
+                fp8_of=self._fp8_layers(),
             )
         with torch.no_grad():
             if self.config.load_format == "dummy":
@@ -210,8 +214,8 @@ class ModelRunner:
                 checkpoint = SafetensorsCheckpoint(self.config.model)
                 progress = self.config.progress and self.tp.is_first
                 tensors = checkpoint.iter_tensors(progress=progress, lazy=True)
-                if self.quantization is not None:  # no quantized kernels yet: the model dtype's weights, once
-                    tensors = dequantized(tensors, self.quantization, self.dtype)
+                if self.quantization is not None:  # kept where the layer holds it, else dequantized now, once
+                    tensors = dequantized(tensors, self.quantization, self.dtype, keeps=_holds_scales(model))
                 load_weights(model, tensors)
             model.prepare_weights()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -224,6 +228,13 @@ class ModelRunner:
             self.tp.size,
         )
         return model.eval()
+
+    def _fp8_layers(self) -> Fp8Of:
+        """Which linear layers keep the checkpoint's fp8 weights: all it quantizes, where the platform runs
+        `fp8_linear` and the run is not deterministic (whose linears read plain weights); else none."""
+        if isinstance(self.quantization, Fp8Format) and runs_fp8_weights(self.ops) and not self.config.deterministic:
+            return self.quantization.fp8_of()
+        return full_precision
 
     def _init_kv_memory(self) -> KVMemory:
         """Size the paged KV pool from what the device has left now that the weights are in."""
@@ -568,10 +579,16 @@ class ModelRunner:
         return f"top {moe.top_k} of {moe.num_experts}, {held}, fused_moe {_op_origin(self.ops.fused_moe)}"
 
     def weights_format(self) -> str:
-        """How the checkpoint's weights are held: the model dtype, or a quantized format dequantized at load."""
+        """How the checkpoint's weights are held: the model dtype, a quantized format dequantized at load, or fp8
+        kept for the platform's `fp8_linear`."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.quantization is None:
             return dtype
+        fp8 = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.fp8 is not None)
+        if fp8:
+            kernel = _op_origin(self.ops.fp8_linear)
+            held = f"{fp8} linear layers kept in fp8 (fp8_linear {kernel}), the rest {dtype}"
+            return f"{self.quantization.describe()}, {held}"
         return f"{self.quantization.describe()}, dequantized to {dtype} at load"
 
     # --- weights from a trainer (RLHF): a process group shared with it, the trainer's rank 0 broadcasting ---
@@ -631,6 +648,18 @@ class ModelRunner:
                 f"no weights update group named {group_name!r} (joined: {known}): call init_weights_update_group first"
             )
         return groups[group_name]
+
+
+def _holds_scales(model: torch.nn.Module) -> Callable[[str], bool]:
+    """Whether the checkpoint layer of a name keeps its quantized weight: the model has a `weight_scale` for it."""
+
+    def holds(layer: str) -> bool:
+        try:
+            return model.checkpoint_target(f"{layer}.weight_scale") is not None
+        except KeyError:
+            return False
+
+    return holds
 
 
 def _op_origin(op: Any) -> str:

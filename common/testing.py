@@ -13,6 +13,7 @@ import torch
 
 from omnirun.batch import build_batch
 from omnirun.config import RunnerConfig
+from omnirun.layers import native_ops
 from omnirun.memory import KVMemory
 from omnirun.platform import Platform
 from omnirun.runner import ModelRunner
@@ -128,6 +129,24 @@ def randomize_constant_parameters(model: torch.nn.Module, seed: int) -> list[str
                 param.add_(noise.to(param.device, param.dtype))
                 changed.append(name)
     return changed
+
+
+def keeping_fp8(platform: Platform) -> Platform:
+    """`platform` offering the reference `fp8_linear` as if it were its kernel: layers then keep a checkpoint's fp8
+    weights where the device has no kernel for them, so that the kept path (loading, sharding, the op's calls) is
+    tested on any device. The calls are counted on the returned platform's `fp8_linear_calls`."""
+
+    class KeepsFp8(type(platform)):
+        fp8_linear_calls = 0
+
+        def device_fused_ops(self):
+            def fp8_linear(*args):
+                type(self).fp8_linear_calls += 1
+                return native_ops.fp8_linear(*args)
+
+            return {**super().device_fused_ops(), "fp8_linear": fp8_linear}
+
+    return KeepsFp8()
 
 
 def make_runner(platform: Platform, model: Path | str, **flags) -> ModelRunner:

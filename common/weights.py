@@ -43,6 +43,12 @@ def target_for(
     if tuple(target.full_shape) != tuple(shape):
         raise ValueError(f"tensor {name!r} has shape {list(shape)}, the model expects {list(target.full_shape)}")
     if dtype is not None and not _castable(dtype, target.view.dtype):
+        if target.view.dtype.itemsize == 1 and dtype.itemsize > 1:
+            raise DtypeMismatch(
+                f"tensor {name!r} is stored as {str(dtype).removeprefix('torch.')}, but its layer keeps the fp8 "
+                "weights the checkpoint's quantization_config says it has",
+                hint="name its module in the config's modules_to_not_convert (fp8) or ignore (compressed-tensors)",
+            )
         raise DtypeMismatch(
             f"tensor {name!r} is stored as {str(dtype).removeprefix('torch.')}, which does not convert to the "
             f"model's {str(target.view.dtype).removeprefix('torch.')}"
@@ -51,15 +57,23 @@ def target_for(
 
 
 class DtypeMismatch(ValueError):
-    """A checkpoint tensor whose values a cast would not keep (quantized or integer data for float weights)."""
+    """A checkpoint tensor whose values a cast would not keep (quantized or integer data for float weights, or full
+    precision for a layer that keeps fp8)."""
 
-    hint = "omnirun loads float32/float16/bfloat16 weights; dequantize the checkpoint first (or re-save it)"
+    def __init__(
+        self,
+        message: str,
+        hint: str = "omnirun loads float32/float16/bfloat16 weights; dequantize the checkpoint first (or re-save it)",
+    ):
+        super().__init__(message)
+        self.hint = hint
 
 
 def _castable(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether copy_ from `source` keeps the values: any float width to any other, but never integers, booleans or
-    fp8 (quantized weights, whose scales live in other tensors) into a floating parameter."""
-    if not target.is_floating_point:
+    fp8 (quantized weights, whose scales live in other tensors) into a wider floating parameter, nor anything but
+    fp8 into an fp8 one."""
+    if not target.is_floating_point or target.itemsize == 1:
         return source == target
     return source.is_floating_point and source.itemsize > 1
 

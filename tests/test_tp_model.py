@@ -31,6 +31,7 @@ from omnirun.testing import (
     ARCHITECTURES,
     MOE_ARCHITECTURES,
     greedy_generate,
+    keeping_fp8,
     make_runner,
     tiny_configs,
     tiny_hf_model,
@@ -41,9 +42,11 @@ THIS = Path(__file__).resolve()
 PROMPTS = [[(5 * i + 11) % 256 for i in range(9)], [(7 * i + 3) % 256 for i in range(23)]]
 NEW_TOKENS = 6
 # llama with attention_bias and mlp_bias: o_proj and down_proj biases, which row-parallel layers add once; llama
-# with fp8 block-wise weights, dequantized whole before each rank takes its part; the mixture-of-experts models,
-# each expert's intermediate columns split over the ranks
-MODELS = (*ARCHITECTURES, *MOE_ARCHITECTURES, "llama_bias", "llama_fp8")
+# with fp8 block-wise weights, dequantized whole before each rank takes its part, and with fp8 blocks kept (on a
+# platform offering fp8_linear: each rank holds its blocks and their scales); the mixture-of-experts models, each
+# expert's intermediate columns split over the ranks
+KEPT_FP8 = "llama_fp8_kept"
+MODELS = (*ARCHITECTURES, *MOE_ARCHITECTURES, "llama_bias", "llama_fp8", KEPT_FP8)
 # the same checkpoints with expert parallelism: whole experts per rank (8 experts: TP 2 and 4 both divide them)
 EXPERT_PARALLEL = ("mixtral_ep", "qwen3_moe_ep")
 DUMMY = "dummy_vocab251"  # tied (qwen3) and a vocabulary that divides by neither 2 nor 4: padded on every TP size
@@ -65,6 +68,7 @@ def _observe(runner, *, weights: bool = False) -> dict:
         "logits": _last_logits(runner, PROMPTS),
         "weight_bytes": runner.weight_bytes_per_step(),
         "experts": runner.describe()["experts"],
+        "weights_format": runner.describe()["weights"],
     }
     if weights:
         seen["weights"] = {name: runner.get_weights_by_name(name) for name in runner.model.checkpoint_names()}
@@ -85,7 +89,7 @@ def _rank_main(world: int, rank: int, port: int, workdir: Path) -> None:
     seen = {}
     for name in (*MODELS, DUMMY, *EXPERT_PARALLEL):
         path, flags = _model(workdir, name)
-        runner = make_runner(platform, path, tp_size=world, **flags)
+        runner = make_runner(keeping_fp8(platform) if name == KEPT_FP8 else platform, path, tp_size=world, **flags)
         seen[name] = _observe(runner, weights=name == DUMMY)
         runner.close()
     torch.save(seen, workdir / f"tp{world}_rank{rank}.pt")
@@ -114,6 +118,7 @@ def workdir(tmp_path_factory) -> Path:
     from quantized_checkpoints import write_fp8_checkpoint  # tests/support: on pytest's path, not the ranks'
 
     write_fp8_checkpoint(path / "llama_fp8", "llama", (24, 40))
+    write_fp8_checkpoint(path / KEPT_FP8, "llama", (16, 16))  # whole blocks on every rank of TP 2 and 4
     config = tiny_configs()["qwen3"]
     config.vocab_size = 251
     config.save_pretrained(path / DUMMY)  # dummy weights: the config alone
@@ -139,7 +144,7 @@ def tp1(workdir) -> dict:
     try:
         for name in (*MODELS, DUMMY):
             path, flags = _model(workdir, name)
-            runner = make_runner(platform, path, **flags)
+            runner = make_runner(keeping_fp8(platform) if name == KEPT_FP8 else platform, path, **flags)
             seen[name] = _observe(runner, weights=name == DUMMY)
             runner.close()
     finally:
@@ -208,6 +213,13 @@ def test_expert_parallel_at_tp_n_equals_tp1(tp_n, tp1, name):
     for rank, seen in enumerate(ranks):
         held = f"experts {rank * share}-{rank * share + share - 1} whole"
         assert seen[name]["experts"] == f"top 2 of 8, {held}, fused_moe reference"
+
+
+def test_kept_fp8_blocks_stay_fp8_on_every_rank(tp_n, tp1):
+    """The layers of the kept fp8 model hold fp8 on each rank (the logits are checked with the other models')."""
+    world, ranks = tp_n
+    for seen in (tp1, *ranks):
+        assert "8 linear layers kept in fp8" in seen[KEPT_FP8]["weights_format"]
 
 
 def test_dummy_weights_at_tp_n_are_the_tp1_dummy_weights_split(tp_n, tp1):

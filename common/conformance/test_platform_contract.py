@@ -252,6 +252,11 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
         logits[:, 0] += 20.0
         logits[:, 3] -= 40.0
         return rand(7, 32), logits.to(device), rand(4, 2 * 16, 32, scale=0.2), rand(4, 32, 16, scale=0.25), 2, True
+    if name == "fp8_linear":
+        # Decode-sized rows, 128 x 128 blocks with partial last ones; a larger batch is the kernels' own test.
+        weight = (torch.randn(200, 384, generator=gen) * 8).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+        scale = (torch.rand(2, 3, generator=gen) * 1e-2 + 1e-3).to(device)
+        return rand(5, 384), weight, scale, rand(200), (128, 128)
     if name == "rotary_embedding":
         table = torch.randn(64, 32, generator=gen).to(device)  # float32 [positions, head_dim]: cos | sin
         positions = torch.tensor([0, 3, 9, 17, 63], device=device)

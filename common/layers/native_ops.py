@@ -18,6 +18,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pre
     return F.linear(x, weight, bias)
 
 
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: tuple[int, int] | None,
+) -> torch.Tensor:
+    """x W^T + b for an fp8 weight kept as loaded: float8_e4m3fn [N, K] with float32 scales, one per output row
+    ([N]) or one per `block` ([ceil(N / rows), ceil(K / columns)]). The reference dequantizes the weight to x's
+    dtype and multiplies, as a model whose weights were dequantized at load does; a kernel may quantize x to fp8
+    (per token, or per group of `block`'s columns) on the way, within the tolerance the conformance suite states."""
+    return F.linear(x, dequantize_fp8(weight, weight_scale, block).to(x.dtype), bias)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float32 [N, K]: each fp8 value times its scale (per row, or per block with the last blocks partial)."""
+    rows, cols = weight.shape
+    if block is None:
+        return weight.float() * scale.float().reshape(rows, 1)
+    per_element = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * per_element
+
+
 # Rows per call of the batch-invariant linear: every matmul it runs has this many rows.
 INVARIANT_ROWS = 32
 

@@ -36,11 +36,21 @@ class Ops:
     # A grammar's constraint before sampling: (logits [B, V], bitmask int32 [B, ceil(V / 32)]) -> [B, V] with the
     # tokens whose bit is clear at -inf (structured output; omnirun.sampling.token_bitmask).
     apply_token_bitmask: Callable[..., Any] = sampling_bitmask.apply_token_bitmask
+    # A linear layer that kept its checkpoint's fp8 weight: (x [M, K], weight float8_e4m3fn [N, K], weight_scale
+    # float32 [N] or [ceil(N / rows), ceil(K / columns)], bias or None, block (rows, columns) or None) -> [M, N] in
+    # x's dtype. Offered only where a kernel runs it: with the reference alone, fp8 weights are dequantized at load.
+    fp8_linear: Callable[..., Any] = native_ops.fp8_linear
     # Deterministic mode's linear: each row's result independent of the row count (native_ops has the reference).
     batch_invariant_linear: Callable[..., Any] = native_ops.batch_invariant_linear
 
 
 OP_NAMES = tuple(field.name for field in dataclasses.fields(Ops))
+
+
+def runs_fp8_weights(ops: Ops) -> bool:
+    """Whether layers keep fp8 checkpoint weights: the platform offers a kernel for them (the reference
+    dequantizes the whole weight at every call, so without one the weights are dequantized once, at load)."""
+    return ops.fp8_linear is not native_ops.fp8_linear
 
 
 def deterministic_ops(ops: Ops) -> Ops:

@@ -28,6 +28,10 @@ class Slice:
     def is_whole(self) -> bool:
         return self.start == 0 and self.size == self.full
 
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
 
 def as_slice(size: int | Slice) -> Slice:
     return size if isinstance(size, Slice) else Slice.whole(size)

@@ -29,9 +29,10 @@ def param_seed(seed: int, name: str) -> int:
 def dummy_tensor(
     seed: int, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
-    """The dummy value of checkpoint tensor `name`: norm scales (1-D "...norm.weight") ones, biases normal(0, 0.01),
-    other weights normal(0, 0.02), drawn on `device` from a generator seeded by (seed, name)."""
-    if len(shape) == 1 and name.endswith("norm.weight"):
+    """The dummy value of checkpoint tensor `name`: norm scales (1-D "...norm.weight") and fp8 weights' scales ones,
+    biases normal(0, 0.01), other weights normal(0, 0.02) (fp8 ones too), drawn on `device` from a generator seeded
+    by (seed, name)."""
+    if (len(shape) == 1 and name.endswith("norm.weight")) or name.endswith("weight_scale"):
         return torch.ones(shape, dtype=dtype, device=device)
     std = BIAS_STD if name.endswith("bias") else WEIGHT_STD
     generator = torch.Generator(device=device)

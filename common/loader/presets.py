@@ -60,9 +60,32 @@ _LLAMA_3_8B = dict(
     dtype=torch.bfloat16,
 )
 
+# Quantized 8B checkpoints as published: RedHatAI/Meta-Llama-3-8B-Instruct-FP8-dynamic (llm-compressor: fp8 weights
+# per output channel, activations per token at run time, lm_head left out), and the block-wise layout DeepSeek-V3
+# and Qwen3-FP8 ship (`quant_method: "fp8"`, 128 x 128 blocks, `weight_scale_inv`).
+_FP8_PER_CHANNEL = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+        }
+    },
+    "ignore": ["lm_head"],
+}
+_FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
 PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
         "llama-3-8b": _preset(LlamaConfig, "Meta-Llama-3-8B", **_LLAMA_3_8B),
+        "llama-3-8b-fp8": _preset(
+            LlamaConfig, "Meta-Llama-3-8B, fp8 per channel", **_LLAMA_3_8B, quantization_config=_FP8_PER_CHANNEL
+        ),
+        "llama-3-8b-fp8-block": _preset(
+            LlamaConfig, "Meta-Llama-3-8B, fp8 in 128 x 128 blocks", **_LLAMA_3_8B, quantization_config=_FP8_BLOCK
+        ),
         "llama-3.1-8b": _preset(
             LlamaConfig,
             "Meta-Llama-3.1-8B",

@@ -77,4 +77,5 @@ def _float(quantization: dict[str, Any], groups: dict[str, Any]) -> Fp8Format:
         static_activations=static,
         kv_scales=quantization.get("kv_cache_scheme") is not None,
         source="compressed-tensors",
+        ignored=tuple(quantization.get("ignore") or ()),
     )

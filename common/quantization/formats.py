@@ -44,9 +44,15 @@ _FORMATS = {
 }
 
 
-def loading_summary() -> str:
-    """What `omnirun env` says of quantized checkpoints: the same on every device until one has its own kernels."""
-    return f"{', '.join(_FORMATS)} checkpoints, dequantized to the model dtype at load"
+def loading_summary(fp8_kernel: bool) -> str:
+    """What `omnirun env` says of quantized checkpoints on a device that does (`fp8_kernel`) or does not run
+    `fp8_linear`."""
+    if not fp8_kernel:
+        return f"{', '.join(_FORMATS)} checkpoints, dequantized to the model dtype at load"
+    return (
+        f"{', '.join(_FORMATS)} checkpoints; fp8 weights kept in fp8 for fp8_linear, the others dequantized to the "
+        "model dtype at load"
+    )
 
 
 def quantized_format(config: Any) -> QuantizedFormat | None:

@@ -9,11 +9,14 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
 
 from omnirun.errors import ModelLoadError
+from omnirun.layers.linear import Fp8Of, Fp8Weights
+from omnirun.layers.native_ops import dequantize_fp8
 
 STRATEGIES = ("tensor", "channel", "block")
 
@@ -26,6 +29,7 @@ class Fp8Format:
     static_activations: bool  # an `input_scale` per layer, read and dropped (activations stay unquantized)
     kv_scales: bool = False  # `k_scale`/`v_scale` per attention layer, read and dropped (no fp8 KV cache yet)
     source: str = "fp8"  # the quant_method, for messages
+    ignored: tuple[str, ...] = ()  # modules the checkpoint holds unquantized (see `quantizes`)
 
     @classmethod
     def from_config(cls, quantization: dict[str, Any]) -> Fp8Format:
@@ -37,9 +41,13 @@ class Fp8Format:
         if scheme not in ("dynamic", "static"):
             raise ModelLoadError(f"fp8 activation_scheme {scheme!r} is unknown: expected dynamic or static")
         block = quantization.get("weight_block_size")
+        # transformers writes modules_to_not_convert, vLLM's Fp8Config reads ignored_layers.
+        ignored = tuple(quantization.get("modules_to_not_convert") or quantization.get("ignored_layers") or ())
         if block is None:
-            return cls("tensor", None, "weight_scale", static_activations=scheme == "static")
-        return cls("block", block_shape(block), "weight_scale_inv", static_activations=scheme == "static")
+            return cls("tensor", None, "weight_scale", static_activations=scheme == "static", ignored=ignored)
+        return cls(
+            "block", block_shape(block), "weight_scale_inv", static_activations=scheme == "static", ignored=ignored
+        )
 
     def describe(self) -> str:
         what = f"block {list(self.block)}" if self.strategy == "block" else f"per-{self.strategy}"
@@ -60,8 +68,22 @@ class Fp8Format:
             self.kv_scales and name.endswith((".k_scale", ".v_scale"))
         )
 
-    def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """weight [N, K] in fp8 x its scales -> [N, K] in `dtype` (the product taken in float32)."""
+    def quantizes(self, module: str) -> bool:
+        """Whether the checkpoint holds `module` (an HF module name) quantized: not in the config's ignore list
+        (names matched as substrings, as transformers matches modules_to_not_convert; "re:" entries as regular
+        expressions, as compressed-tensors writes them)."""
+        return not any(
+            re.fullmatch(entry[3:], module) if entry.startswith("re:") else entry in module for entry in self.ignored
+        )
+
+    def fp8_of(self) -> Fp8Of:
+        """The layers that keep this checkpoint's fp8 weights: every linear layer whose modules it quantizes."""
+        weights = Fp8Weights(self.block if self.strategy == "block" else None)
+        return lambda modules: weights if all(self.quantizes(m) for m in modules) else None
+
+    def kept(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight and its scales as an fp8 layer keeps them (omnirun.layers.linear.Fp8Weights): a float32 scale
+        per output row (a per-tensor scale repeated, so that fused projections keep each their own) or per block."""
         weight, scale = parts
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
             raise ModelLoadError(
@@ -72,22 +94,25 @@ class Fp8Format:
         if self.strategy == "tensor":
             if scale.numel() != 1:
                 raise ModelLoadError(f"a per-tensor fp8 weight_scale holds one value, got shape {list(scale.shape)}")
-            return (weight.float() * scale.reshape(())).to(dtype)
+            return weight, scale.reshape(1).expand(rows).contiguous()
         if self.strategy == "channel":
             if scale.numel() != rows:
                 raise ModelLoadError(
                     f"a per-channel fp8 weight of {rows} rows needs {rows} scales, got shape {list(scale.shape)}"
                 )
-            return (weight.float() * scale.reshape(rows, 1)).to(dtype)
-        block_rows, block_cols = self.block
-        expected = (-(-rows // block_rows), -(-cols // block_cols))
+            return weight, scale.reshape(rows)
+        expected = (-(-rows // self.block[0]), -(-cols // self.block[1]))
         if tuple(scale.shape) != expected:
             raise ModelLoadError(
                 f"an fp8 weight of shape {[rows, cols]} in {list(self.block)} blocks needs {self.scale_suffix} of "
                 f"shape {list(expected)}, got {list(scale.shape)}: the config's block size does not match it"
             )
-        per_element = scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
-        return (weight.float() * per_element).to(dtype)
+        return weight, scale
+
+    def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """weight [N, K] in fp8 x its scales -> [N, K] in `dtype` (the product taken in float32)."""
+        weight, scale = self.kept(parts)
+        return dequantize_fp8(weight, scale, self.block).to(dtype)
 
 
 def block_shape(block: object, key: str = "weight_block_size") -> tuple[int, int]:

@@ -4,7 +4,7 @@ so the model loads it as it loads any weight. Tensors a format reads and drops a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -14,10 +14,15 @@ from omnirun.quantization.formats import QuantizedFormat
 
 
 def dequantized(
-    tensors: Iterable[tuple[str, Any]], fmt: QuantizedFormat, dtype: torch.dtype
+    tensors: Iterable[tuple[str, Any]],
+    fmt: QuantizedFormat,
+    dtype: torch.dtype,
+    keeps: Callable[[str], bool] = lambda layer: False,
 ) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) of `tensors` with every layer's quantized parts replaced by its weight in `dtype`. A layer's
-    parts wait for each other wherever in the stream they come; a part left waiting at the end is an error."""
+    """(name, tensor) of `tensors` with every layer's quantized parts replaced by its weight in `dtype`, or, for a
+    layer that `keeps` its quantized weight (fp8 layers where the platform runs `fp8_linear`), by the weight and
+    `<layer>.weight_scale` as the layer holds them (the format's `kept`). A layer's parts wait for each other
+    wherever in the stream they come; a part left waiting at the end is an error."""
     waiting: dict[str, tuple[str, torch.Tensor]] = {}  # part name -> (its layer, the part read whole)
     for name, source in tensors:
         if fmt.dropped(name):
@@ -30,7 +35,13 @@ def dequantized(
         waiting[name] = (layer, source if isinstance(source, torch.Tensor) else source.read())
         parts = fmt.part_names(layer)
         if all(part in waiting for part in parts):
-            yield f"{layer}.weight", fmt.dequantize([waiting.pop(part)[1] for part in parts], dtype)
+            found = [waiting.pop(part)[1] for part in parts]
+            if keeps(layer):
+                weight, scale = fmt.kept(found)
+                yield f"{layer}.weight", weight
+                yield f"{layer}.weight_scale", scale
+            else:
+                yield f"{layer}.weight", fmt.dequantize(found, dtype)
     if waiting:
         name = sorted(waiting)[0]
         missing = [part for part in fmt.part_names(waiting[name][0]) if part not in waiting]

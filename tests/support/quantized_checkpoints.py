@@ -120,6 +120,7 @@ def write_fp8_checkpoint(
             "fmt": "e4m3",
             "activation_scheme": "static" if static else "dynamic",
             **({"weight_block_size": list(block)} if block else {}),
+            "modules_to_not_convert": ["lm_head", *keep],  # as transformers' FineGrainedFP8Config writes it
         }
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config))

@@ -1,0 +1,65 @@
+"""cuda's `fp8_linear` on an NVIDIA GPU of sm89 or later: cuBLASLt's row-wise scaled GEMM (`torch._scaled_mm`) for
+per-row weight scales at more than 16 rows, equal to torch's per-token quantization of the activations times the
+dequantized weight; and a model whose fp8 layers are kept gives the dequantized model's greedy tokens and logits
+within the activation quantization's tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs an NVIDIA GPU (the cuda lane)", allow_module_level=True)
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("fp8 matmuls need sm89 or later", allow_module_level=True)
+
+from omnirun.devices.cuda.fp8_linear import fp8_linear  # noqa: E402
+from omnirun.layers import native_ops  # noqa: E402
+
+E4M3_MAX = 448.0
+
+
+@pytest.mark.parametrize("rows", [17, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_scaled_mm_path_equals_per_token_quantization_times_the_weight(rows, bias):
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    n, k = 512, 1024
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.05
+    scale = w.abs().amax(1) / E4M3_MAX
+    weight = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16) if bias else None
+    got = fp8_linear(x, weight, scale, b, None).float()
+    x_scale = x.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+    xq = (x.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * x_scale
+    emulated = xq @ native_ops.dequantize_fp8(weight, scale, None).t() + (b.float() if bias else 0)
+    torch.testing.assert_close(got, emulated, atol=3e-2, rtol=1.6e-2)
+    exact = native_ops.fp8_linear(x.float(), weight, scale, None if b is None else b.float(), None)
+    assert ((got - exact).norm() / exact.norm()) < 0.05
+
+
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "per-tensor"])
+def test_a_kept_fp8_model_gives_the_dequantized_model_s_tokens(tmp_path, block):
+    from omnirun.devices.cuda.platform import CudaPlatform
+    from omnirun.testing import greedy_generate, make_runner
+    from quantized_checkpoints import PROMPTS, write_fp8_checkpoint
+
+    write_fp8_checkpoint(tmp_path, "llama", block)
+    platform = CudaPlatform()
+    kept = make_runner(platform, tmp_path, dtype="bfloat16")
+    try:
+        assert "linear layers kept in fp8" in kept.describe()["weights"]
+        tokens = greedy_generate(kept, PROMPTS, 8)
+    finally:
+        kept.close()
+
+    class NoFp8Kernel(CudaPlatform):
+        def device_fused_ops(self):
+            return {name: op for name, op in super().device_fused_ops().items() if name != "fp8_linear"}
+
+    dequantized = make_runner(NoFp8Kernel(), tmp_path, dtype="bfloat16")
+    try:
+        assert "dequantized to bfloat16 at load" in dequantized.describe()["weights"]
+        assert greedy_generate(dequantized, PROMPTS, 8) == tokens
+    finally:
+        dequantized.close()
