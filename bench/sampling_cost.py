@@ -1,7 +1,10 @@
 """What sampling costs against greedy: output throughput of greedy, sampled (temperature 0.8, top-p 0.95, top-k 50)
 and penalised (the same plus frequency 0.5 and repetition 1.1) decoding, in one process on one device, with the op
 table's `sample`, the torch reference and (where the device compiles Triton) the portable Triton kernel, to choose
-between them.
+between them. With the op table's op, decode steps sample inside the decode graphs (omnirun.sampling.graph_form);
+`--graph-sampling both` also times greedy and the op table's runs with the sampling eagerly after each replay
+(keys ending in `_eager`), as before it moved into the graphs. Other ops always sample eagerly (the graphs hold the
+op table's).
 
     python bench/sampling_cost.py --preset llama-3-8b --device cuda --batch-sizes 1 64 256 \
         --json bench/results/h200_sampling_cost.json
@@ -49,6 +52,12 @@ def main() -> None:
     parser.add_argument(
         "--ops", nargs="+", default=["op_table", "reference", "triton"], help="which sample ops to time end to end"
     )
+    parser.add_argument(
+        "--graph-sampling",
+        choices=["on", "off", "both"],
+        default="both",
+        help="the op table's sampling inside the decode graphs (on), eagerly after each replay (off), or both",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -64,6 +73,9 @@ def main() -> None:
     )
     print(f"warm-up {llm.warmup_s} s", flush=True)
     sampler = llm.runner.sampler
+    graphs = llm.runner.graph_runner if getattr(llm.runner.graph_runner, "widths", ()) else None
+    if graphs is not None:
+        print(f"decode graphs sample in them (short lists {list(graphs.widths)})", flush=True)
     ops = {"op_table": sampler.sample, "reference": reference.sample}
     if offers_triton(llm.runner.capabilities):
         from omnirun.kernels.triton.sample import sample as triton_sample
@@ -78,26 +90,35 @@ def main() -> None:
             row: dict[str, float] = {}
             for setting, fields in SETTINGS.items():
                 for op_name, op in ops.items() if fields else [("op_table", sampler.sample)]:
-                    sampler.sample = op
-                    run = run_bench(
-                        llm,
-                        batch_size=bs,
-                        input_len=args.input_len,
-                        output_len=args.output_len,
-                        num_prompts=bs,
-                        sampling=fields,
-                    )
-                    key = setting if not fields else f"{setting}_{op_name}"
-                    row[f"{key}_tok_s"] = run["output_tokens_per_s"]
-                    row[f"{key}_step_ms"] = run["decode_step_ms_median"]
-                    ratio = run["output_tokens_per_s"] / row.get("greedy_tok_s", run["output_tokens_per_s"])
-                    print(
-                        f"bs={bs:4d} {key:22s} {run['output_tokens_per_s']:9.0f} tok/s  step "
-                        f"{run['decode_step_ms_median']:.3f} ms  {ratio:.3f}x greedy  "
-                        f"(at {time.perf_counter() - start:.0f} s)",
-                        flush=True,
-                    )
+                    modes = [""]  # "": in the graphs where they serve it (only the op table's op), "_eager": not
+                    if op_name == "op_table" and graphs is not None:
+                        modes = {"on": [""], "off": ["_eager"], "both": ["", "_eager"]}[args.graph_sampling]
+                    for mode in modes:
+                        sampler.sample = op
+                        if graphs is not None:
+                            graphs.sample_in_graph = mode == ""
+                        run = run_bench(
+                            llm,
+                            batch_size=bs,
+                            input_len=args.input_len,
+                            output_len=args.output_len,
+                            num_prompts=bs,
+                            sampling=fields,
+                        )
+                        key = (setting if not fields else f"{setting}_{op_name}") + mode
+                        row[f"{key}_tok_s"] = run["output_tokens_per_s"]
+                        row[f"{key}_step_ms"] = run["decode_step_ms_median"]
+                        greedy_key = "greedy" + mode if "greedy" + mode + "_tok_s" in row else "greedy"
+                        ratio = run["output_tokens_per_s"] / row.get(f"{greedy_key}_tok_s", run["output_tokens_per_s"])
+                        print(
+                            f"bs={bs:4d} {key:28s} {run['output_tokens_per_s']:9.0f} tok/s  step "
+                            f"{run['decode_step_ms_median']:.3f} ms  {ratio:.3f}x {greedy_key}  "
+                            f"(at {time.perf_counter() - start:.0f} s)",
+                            flush=True,
+                        )
                 sampler.sample = ops["op_table"]
+                if graphs is not None:
+                    graphs.sample_in_graph = True
             alone = dict(ops)
             triton_op = next((op for op in ops.values() if op.__module__ == "omnirun.kernels.triton.sample"), None)
             if triton_op is not None:
@@ -115,6 +136,7 @@ def main() -> None:
                     "args": vars(args),
                     "sample_op": ops["op_table"].__module__,
                     "warmup_s": llm.warmup_s,
+                    "graph_sampling": args.graph_sampling if graphs is not None else "no graphs",
                     "results": results,
                 },
                 f,

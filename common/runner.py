@@ -5,7 +5,8 @@ Start-up runs in this order, each step reading what the previous one settled:
     -> graph runner (the platform's, or none: eager)
     -> KV memory pool (sized from the memory left after loading, minus what the graphs will take)
     -> attention backends -> graph capture
-Then the scheduler calls `forward(batch)` and `sample(logits, ...)` once per step. The runner never asks which
+Then the scheduler calls `forward(batch)` and `sample(logits, ...)` once per step, or `forward_and_sample`, which
+samples inside the decode graphs where they can. The runner never asks which
 device it is on: it reads the platform's capabilities and asks the platform for the device-specific parts.
 """
 
@@ -65,7 +66,8 @@ from omnirun.platform import Platform
 from omnirun.quantization import dequantized, quantized_format
 from omnirun.quantization.fp8 import Fp8Format
 from omnirun.registry import select_platform
-from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory
+from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory, graph_form
+from omnirun.sampling.graph_form import GraphStep
 from omnirun.weights import apply_update, load_weights, read_weight, refuse_unless_agreed, update_problem
 
 logger = logging.getLogger(__name__)
@@ -409,6 +411,46 @@ class ModelRunner:
                 rows = (batch.extend_seq_lens_cpu.cumsum(0) - 1).to(self.device, non_blocking=True)
             hidden = hidden[rows]
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward_and_sample(
+        self,
+        batch: ForwardBatch,
+        params: Sequence[SamplingParams],
+        token_index: Sequence[int],
+        history: TokenHistory | None = None,
+        token_bitmask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, SampleOutput]:
+        """`forward(batch)`, then `sample` of its logits (one row per request, `params` in row order): the logits
+        and the tokens. A decode step the graphs replay samples inside them where the graph's sampler serves every
+        row (omnirun.sampling.graph_form says which), with the same tokens and logprobs as the eager sampler;
+        its outputs are then static tensors, valid until the next step, as the replayed logits are."""
+        step = self._graph_sampling(batch, params, token_index, token_bitmask)
+        logits = self.forward(batch)
+        if step is None:
+            return logits, self.sample(logits, params, token_index, history, token_bitmask)
+        return logits, self.graph_runner.sample_replayed(batch.batch_size, step)
+
+    def _graph_sampling(
+        self,
+        batch: ForwardBatch,
+        params: Sequence[SamplingParams],
+        token_index: Sequence[int],
+        token_bitmask: torch.Tensor | None,
+    ) -> GraphStep | None:
+        """How the graphs sample this step (None: the forward's logits go to the eager sampler)."""
+        graphs = self.graph_runner
+        if (
+            not isinstance(graphs, DecodeGraphRunner)
+            or not graphs.serves_sampling()
+            or token_bitmask is not None
+            or len(params) != batch.batch_size
+            or not graphs.can_run(batch)
+            or not graph_form.serves(params, token_index)
+        ):
+            return None
+        padded = graphs.padded_size(batch.batch_size)
+        return graph_form.plan_step(params, token_index, graphs.vocab, padded, graphs.widths)
 
     @torch.inference_mode()
     def sample(

@@ -266,26 +266,32 @@ class Engine:
             ids = batch.input_ids
             torch.where(ids == PENDING_TOKEN, self._row_tokens[batch.req_pool_indices], ids, out=ids)
             batch.input_ids_pending = True
-        logits = self.runner.forward(batch)
-        prompt_parts = prompt_logprobs(step, logits)
         requests = [step.requests[i] for i in step.sampling]
-        if not requests:
-            done = None
-            if prompt_parts:
-                done = self.runner.platform.event()
-                done.record()
-            return _Launched(step, [], None, None, None, None, done=done, prompt_logprobs=prompt_parts)
-        rows = step.sampling
-        if step.every_logit is not None:  # some requests' logits span their whole chunk: where each one's last is
-            last = logit_rows(step)
-            rows = [last[i] for i in step.sampling]
-        if rows != list(range(logits.shape[0])):
-            logits = logits[rows]
         params = [r.params for r in requests]
-        history = self._token_history(requests, logits.shape[-1]) if any(p.adjusts_logits for p in params) else None
-        bitmask = self._token_bitmask(requests, logits)
+        vocab = self.runner.shape.vocab_size
+        history = self._token_history(requests, vocab) if any(p.adjusts_logits for p in params) else None
+        bitmask = self._token_bitmask(requests, vocab, self.runner.device)
         token_index = [len(r.output_ids) + r.num_pending for r in requests]
-        out = self.runner.sample(logits, params, token_index, history, token_bitmask=bitmask)
+        if batch.mode is ForwardMode.DECODE and len(requests) == batch.batch_size:
+            # Every row samples: the runner samples inside the decode graph where it can.
+            _, out = self.runner.forward_and_sample(batch, params, token_index, history, token_bitmask=bitmask)
+            prompt_parts = []
+        else:
+            logits = self.runner.forward(batch)
+            prompt_parts = prompt_logprobs(step, logits)
+            if not requests:
+                done = None
+                if prompt_parts:
+                    done = self.runner.platform.event()
+                    done.record()
+                return _Launched(step, [], None, None, None, None, done=done, prompt_logprobs=prompt_parts)
+            rows = step.sampling
+            if step.every_logit is not None:  # some requests' logits span their whole chunk: where each one's last is
+                last = logit_rows(step)
+                rows = [last[i] for i in step.sampling]
+            if rows != list(range(logits.shape[0])):
+                logits = logits[rows]
+            out = self.runner.sample(logits, params, token_index, history, token_bitmask=bitmask)
         if history is not None and history.kept is not None:
             self._token_counts.add(history.kept, out.token_ids)
         for req in requests:
@@ -296,21 +302,22 @@ class Engine:
                 rows = rows[step.sampling]
             self._row_tokens[rows] = out.token_ids
         outputs = (out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
-        to_host = [None if t is None else t.to("cpu", non_blocking=True) for t in outputs]
+        # A copy even where the device is the host: the outputs may be static tensors the next step overwrites.
+        to_host = [None if t is None else t.to("cpu", non_blocking=True, copy=True) for t in outputs]
         done = self.runner.platform.event()
         done.record()
         return _Launched(step, requests, *to_host, done=done, prompt_logprobs=prompt_parts)
 
     @staticmethod
-    def _token_bitmask(requests: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
-        """The tokens each request's grammar allows next (None when no request has one), on the logits' device."""
+    def _token_bitmask(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor | None:
+        """The tokens each request's grammar allows next (None when no request has one), on the device."""
         if all(r.grammar is None for r in requests):
             return None
-        bitmask = allocate_token_bitmask(len(requests), logits.shape[-1])
+        bitmask = allocate_token_bitmask(len(requests), vocab)
         for row, req in enumerate(requests):
             if req.grammar is not None:
                 req.grammar.fill_bitmask(bitmask, row)
-        return bitmask.to(logits.device, non_blocking=True)
+        return bitmask.to(device, non_blocking=True)
 
     def _token_history(self, requests: list[Request], vocab_size: int) -> TokenHistory:
         """What penalties and min_tokens read: each request's tokens, and the device's counts of them (penalties).

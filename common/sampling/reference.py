@@ -75,3 +75,8 @@ def _top_k_top_p(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         nucleus = torch.where(top_p < 1, sorted_x.gather(-1, needed - 1), float("-inf"))
         cut = torch.maximum(cut, nucleus)
     return x.masked_fill(x < cut, float("-inf"))
+
+
+# The reference serves a decode graph's sampler (omnirun.sampling.graph_form): a row's token depends on the row
+# alone, not on which flags the batch sets; it lists no short list, so one sampler per graph (width 0) does.
+sample.graph_widths = (0,)

@@ -48,6 +48,13 @@ class SamplingBatch:
     adjustments: LogitAdjustments | None = None  # penalties, logit bias, min_tokens (None: no request uses any)
     # int32 [B, ceil(V / 32)] on the device: each row's tokens a grammar allows next (None: no row is constrained)
     token_bitmask: torch.Tensor | None = None
+    # The graph form (omnirun.sampling.graph_form): a decode graph's sampler sets every flag above, lists
+    # `shortlist_width` logits per row, and tells a kernel with these [B] device tensors how long a list
+    # (omnirun.sampling.shortlist) the same batch would have had eagerly, and whether top-p rows may cut their
+    # nucleus in it. None: an eager batch, whose kernel sizes its list from the flags.
+    shortlist_width: int | None = None
+    shortlist_count: torch.Tensor | None = None  # [B] int64
+    shortlist_nucleus: torch.Tensor | None = None  # [B] int64, 0 or 1
 
     @property
     def size(self) -> int:
@@ -79,7 +86,6 @@ class SamplingBatch:
         greedy = [p.greedy for p in params]
         temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
-        max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         adjustments = None
         if any(p.adjusts_logits for p in params):
             if vocab_size is None:
@@ -96,17 +102,25 @@ class SamplingBatch:
             min_ps=floats[2],
             greedy=to_device(greedy, torch.bool, device),
             keys=ints[1] if sampled else None,
-            all_greedy=not sampled,
-            any_top_p=any(p.top_p < 1 for p in sampled),
-            any_top_k=any(p.top_k > 0 for p in sampled),
-            any_min_p=any(p.min_p > 0 for p in sampled),
-            max_top_k=max((p.top_k for p in sampled if p.top_k > 0), default=0),
-            every_top_k=bool(sampled) and all(p.top_k > 0 for p in sampled),
-            any_top_p_alone=any(p.top_p < 1 and p.top_k <= 0 for p in sampled),
-            max_logprobs=max_logprobs,
             adjustments=adjustments,
             token_bitmask=token_bitmask,
+            **host_flags(params),
         )
+
+
+def host_flags(params: Sequence[SamplingParams]) -> dict[str, bool | int]:
+    """A SamplingBatch's host flags for `params` (what chooses a kernel's variant and its short list)."""
+    sampled = [p for p in params if not p.greedy]
+    return {
+        "all_greedy": not sampled,
+        "any_top_p": any(p.top_p < 1 for p in sampled),
+        "any_top_k": any(p.top_k > 0 for p in sampled),
+        "any_min_p": any(p.min_p > 0 for p in sampled),
+        "max_top_k": max((p.top_k for p in sampled if p.top_k > 0), default=0),
+        "every_top_k": bool(sampled) and all(p.top_k > 0 for p in sampled),
+        "any_top_p_alone": any(p.top_p < 1 and p.top_k <= 0 for p in sampled),
+        "max_logprobs": max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+    }
 
 
 @dataclass
@@ -150,13 +164,28 @@ class Sampler:
     def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, max_logprobs: int) -> SampleOutput:
         if max_logprobs < 0:
             return SampleOutput(token_ids=token_ids)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
-        if max_logprobs == 0:
-            return SampleOutput(token_ids=token_ids, logprobs=chosen)
-        n = min(max_logprobs, logprobs.shape[-1])
-        top_values, top_ids = logprobs.topk(n, dim=-1, sorted=True)
+        chosen, top_ids, top_values = token_logprobs(logits, token_ids, max_logprobs)
         return SampleOutput(token_ids=token_ids, logprobs=chosen, top_logprob_ids=top_ids, top_logprobs=top_values)
+
+
+# Top logprobs are listed this many at least (then cut to what the batch asks): a decode graph lists as many, and
+# the same top-k call in both puts tied values in the same order.
+LISTED_TOP_LOGPROBS = 20
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, max_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The chosen tokens' logprobs [B] (of the raw logits) and, for max_logprobs > 0, the top max_logprobs ids and
+    logprobs [B, n], sorted descending."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    if max_logprobs <= 0:
+        return chosen, None, None
+    vocab = logprobs.shape[-1]
+    top_values, top_ids = logprobs.topk(min(max(max_logprobs, LISTED_TOP_LOGPROBS), vocab), dim=-1, sorted=True)
+    n = min(max_logprobs, vocab)
+    return chosen, top_ids[:, :n], top_values[:, :n]
 
 
 def _keys(params: Sequence[SamplingParams], token_index: Sequence[int]) -> list[int]:

@@ -200,3 +200,33 @@ def test_fewer_pivots_per_pass_find_the_same_cuts(pivots):
     logits = ((torch.randn(rows, vocab, generator=gen) * 4).round() / 2).to(DEVICE)
     batch = SamplingBatch.build(_random_params(rows, pivots), list(range(rows)), DEVICE, vocab_size=vocab)
     assert torch.equal(sample(logits, batch, pivots=pivots).cpu(), reference.sample(logits, batch).cpu())
+
+
+@pytest.mark.parametrize("mix", ["narrow", "nucleus", "no_list"])
+def test_the_graph_form_draws_the_eager_token(mix):
+    """A decode graph's sampler (omnirun.sampling.graph_form): every flag set, the captured list width, and each
+    row's eager list length and nucleus flag read from the device; the same tokens as the same batch eagerly, with
+    a narrow list, the long one top-p rows without top-k make, and none (a top-k longer than any list)."""
+    from omnirun.sampling.graph_form import graph_batch, plan_step
+    from omnirun.sampling.shortlist import GRAPH_WIDTHS
+
+    rows, vocab = (256, 3000) if _compiled() else (10, 1300)
+    rng = random.Random(mix)
+    kinds = {
+        "narrow": [dict(top_k=5), dict(top_k=17, top_p=0.8), dict(top_k=40, min_p=0.05), dict(), dict(temperature=0)],
+        "nucleus": [dict(top_p=0.7), dict(top_k=9, top_p=0.9), dict(top_p=0.95, min_p=0.02), dict(temperature=0)],
+        "no_list": [dict(), dict(min_p=0.1), dict(top_k=1100, top_p=0.9), dict(top_p=0.6), dict(temperature=0)],
+    }[mix]
+    params = [
+        SamplingParams(**{"temperature": rng.choice([0.5, 1.0, 1.4]), **rng.choice(kinds)}, seed=rng.randrange(99))
+        for _ in range(rows)
+    ]
+    gen = torch.Generator().manual_seed(rows)
+    logits = ((torch.randn(rows, vocab, generator=gen) * 4).round() / 2).to(DEVICE)  # ties at the cuts
+    index = list(range(rows))
+    step = plan_step(params, index, vocab, rows, GRAPH_WIDTHS)
+    assert step.width == {"narrow": 128, "nucleus": 1024, "no_list": 0}[mix]
+    graph = graph_batch(step.host.to(DEVICE), step.width)
+    eager = SamplingBatch.build(params, index, DEVICE, vocab_size=vocab)
+    assert torch.equal(graph.greedy, eager.greedy) and torch.equal(graph.keys, eager.keys)
+    assert torch.equal(sample(logits, graph).cpu(), sample(logits, eager).cpu())

@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 
 from omnirun.sampling import counter_rng, reference
+from omnirun.sampling.shortlist import GRAPH_WIDTHS, MAX_SHORTLIST, TIE_ROOM
+from omnirun.sampling.shortlist import shortlist as plan_shortlist
 
 if TYPE_CHECKING:
     from omnirun.sampling.sampler import SamplingBatch
@@ -52,10 +54,8 @@ _SEARCH_STEPS = tl.constexpr(31)  # enough for 2 pivots; a search with more stop
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NO_TOKEN = tl.constexpr(2**62)  # larger than any token id: the minimum over no tied token
-# The short list: each row's max_top_k + TIE_ROOM largest logits (room for a tie at the k-th value), at most
-# MAX_SHORTLIST (held in one program's registers); a longer top-k searches the whole row.
-TIE_ROOM = 16
-MAX_SHORTLIST = 1024
+# The short list (omnirun.sampling.shortlist): each row's max_top_k + TIE_ROOM largest logits, at most MAX_SHORTLIST.
+__all__ = ["MAX_SHORTLIST", "SEARCH_PIVOTS", "TIE_ROOM", "sample"]
 
 
 @triton.jit
@@ -223,7 +223,7 @@ def _sample_row(
 
     cut_bits = tl.full((), _INF_BITS, tl.int32)  # keep d <= the float with these bits
     if TOP_K:
-        if k < vocab:
+        if k > 0:
             cut_bits = _smallest_cut(row_ptr, vocab, top, temperature, cut_bits, k, False, PIVOTS, SEARCH_BLOCK)
     if TOP_P:
         if top_p < 1.0:
@@ -249,7 +249,7 @@ def _sample_row(
     return best_id
 
 
-@triton.jit(do_not_specialize=["vocab", "stride", "count"])
+@triton.jit(do_not_specialize=["vocab", "stride", "count", "list_stride"])
 def _sample_kernel(
     logits_ptr,
     stride,
@@ -261,13 +261,17 @@ def _sample_kernel(
     keys_ptr,
     vals_ptr,
     ids_ptr,
+    list_stride,
     count,
+    counts_ptr,
+    nucleus_ptr,
     out_ptr,
     TOP_K: tl.constexpr,
     TOP_P: tl.constexpr,
     MIN_P: tl.constexpr,
     CANDIDATES: tl.constexpr,
     NUCLEUS: tl.constexpr,
+    LIST_ON_DEVICE: tl.constexpr,
     PIVOTS: tl.constexpr,
     BLOCK: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
@@ -278,6 +282,7 @@ def _sample_kernel(
     k = tl.full((), 0, tl.int64)
     if TOP_K:
         k = tl.load(top_ks_ptr + row)
+        k = tl.where((k > 0) & (k < vocab), k, 0)  # 0: no top-k cut (a k of the whole vocabulary cuts nothing)
     top_p = 1.0
     if TOP_P:
         top_p = tl.load(top_ps_ptr + row)
@@ -289,15 +294,22 @@ def _sample_kernel(
     # The short list serves a row whose top-k, with every token tied with its k-th, lies inside it: all of the
     # vocabulary is listed, or the k-th is listed and the last listed is strictly smaller.
     if CANDIDATES > 0:
+        # The graph form (LIST_ON_DEVICE): a list `list_stride` wide, of which each row reads what the same batch
+        # would have listed eagerly (its length, and whether top-p rows may cut a nucleus in it, from the device).
+        nucleus = tl.full((), NUCLEUS, tl.int1)
+        if LIST_ON_DEVICE:
+            count = tl.load(counts_ptr + row)
+            nucleus = tl.load(nucleus_ptr + row) != 0
         index = tl.arange(0, CANDIDATES)
-        listed = tl.load(vals_ptr + row * count + index, mask=index < count, other=float("-inf")).to(tl.float32)
+        listed = tl.load(vals_ptr + row * list_stride + index, mask=index < count, other=float("-inf"))
+        listed = listed.to(tl.float32)
         kth = tl.sum(tl.where(index == k - 1, listed, 0.0), axis=0)
         last = tl.sum(tl.where(index == count - 1, listed, 0.0), axis=0)
         listed_top_k = (k >= 1) & ((count == vocab) | ((k < count) & (last < kth)))
         if NUCLEUS:
             # A row with top-p and no top-k: its nucleus, with the whole tie at its cut, may lie in the list too.
             # Then it is top-k with k one past the nucleus's last token, and no top-p left to apply.
-            if (listed_top_k == 0) & ((k == 0) | (k >= vocab)) & (top_p < 1.0):
+            if nucleus & (listed_top_k == 0) & (k == 0) & (top_p < 1.0):
                 k_nucleus = _listed_nucleus(
                     logits_ptr + row * stride, vocab, listed, index, count, temperature, top_p, BLOCK
                 )
@@ -307,8 +319,8 @@ def _sample_kernel(
                     listed_top_k = k >= 1
         if listed_top_k:
             token = _sample_candidates(
-                vals_ptr + row * count,
-                ids_ptr + row * count,
+                vals_ptr + row * list_stride,
+                ids_ptr + row * list_stride,
                 count,
                 temperature,
                 tl.minimum(k, count),
@@ -344,19 +356,30 @@ def sample(
     """The `sample` op (omnirun.sampling.reference.sample's contract): int64 [B]. Layouts and dtypes the kernel
     does not take go to the reference. `pivots`: cuts tried per pass of a search (a power of two >= 2);
     `shortlist`: with top-k on, first take each row's largest logits with torch.topk (a multi-block select), so
-    that rows whose top-k fits skip the searches (False: every row searches its whole vocabulary)."""
+    that rows whose top-k fits skip the searches (False: every row searches its whole vocabulary).
+
+    A batch in the graph form (`batch.shortlist_width` set: a decode graph's sampler) lists that many logits and
+    reads each row's list length from `batch.shortlist_count` and `batch.shortlist_nucleus` on the device, what
+    the same batch would have listed eagerly: a row then takes the path it takes eagerly and draws the same token.
+    The list always sits in MAX_SHORTLIST registers, so that its sums round alike whatever its length."""
     if logits.dim() != 2 or logits.stride(-1) != 1 or logits.dtype not in _KERNEL_DTYPES:
         return reference.sample(logits, batch)
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    vals = ids = out  # unread placeholders where there is no short list
-    count = 0
-    nucleus = shortlist and batch.any_top_p_alone  # the list serves top-p rows without top-k too: make it long
-    if shortlist and (batch.any_top_k or nucleus) and batch.max_top_k + TIE_ROOM <= MAX_SHORTLIST:
-        count = min(vocab, MAX_SHORTLIST if nucleus else batch.max_top_k + TIE_ROOM)
-        vals, ids = torch.topk(logits, count, dim=-1, sorted=True)
+    vals = ids = counts = nucleus_rows = out  # unread placeholders where there is no short list
+    on_device = batch.shortlist_width is not None
+    if on_device:
+        width, nucleus = min(vocab, batch.shortlist_width), batch.shortlist_width > 0
+        counts, nucleus_rows = batch.shortlist_count, batch.shortlist_nucleus
+        count = width
+    else:
+        listed = plan_shortlist(batch.any_top_k, batch.any_top_p_alone, batch.max_top_k, vocab)
+        width = count = listed.length if shortlist else 0
+        nucleus = listed.nucleus and count > 0
+    if width:
+        vals, ids = torch.topk(logits, width, dim=-1, sorted=True)
     block = min(4096, triton.next_power_of_2(vocab))
     _sample_kernel[(rows,)](
         logits,
@@ -369,16 +392,25 @@ def sample(
         batch.keys,
         vals,
         ids,
+        width,
         count,
+        counts,
+        nucleus_rows,
         out,
         TOP_K=batch.any_top_k,
         TOP_P=batch.any_top_p,
         MIN_P=batch.any_min_p,
-        CANDIDATES=triton.next_power_of_2(count) if count else 0,
-        NUCLEUS=nucleus and count > 0,
+        CANDIDATES=MAX_SHORTLIST if width else 0,
+        NUCLEUS=nucleus,
+        LIST_ON_DEVICE=on_device,
         PIVOTS=pivots,
         BLOCK=block,
         SEARCH_BLOCK=max(4 * block // pivots, 64),
         num_warps=8 if block >= 2048 else 4,
     )
     return out
+
+
+# The op serves a decode graph's sampler (omnirun.graphs): its token for a row depends on the row and the list
+# length above alone, not on which other flags the batch sets; a graph captures one sampler per list width.
+sample.graph_widths = GRAPH_WIDTHS
