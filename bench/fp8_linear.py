@@ -120,13 +120,15 @@ def main() -> None:
         if args.sweep:
             tiles = {}
             if bs <= kernels.WEIGHT_ONLY_MAX_ROWS:
-                for n, warps, stages in WEIGHT_ONLY_TILES:
-                    op = functools.partial(kernels.weight_only, block_n=n, num_warps=warps, num_stages=stages)
-                    tiles[f"weight_only N{n} w{warps} s{stages}"] = graph_ms(
+                for n, k, warps, stages in WEIGHT_ONLY_TILES:
+                    op = functools.partial(
+                        kernels.weight_only, block_n=n, block_k=k, num_warps=warps, num_stages=stages
+                    )
+                    tiles[f"weight_only N{n} K{k} w{warps} s{stages}"] = graph_ms(
                         platform, functools.partial(run, x, functools.partial(fp8_linear, op=op))
                     )
             for m, n, warps, stages in W8A8_TILES:
-                op = functools.partial(kernels.w8a8_block, block_m=m, block_n=n, num_warps=warps, num_stages=stages)
+                op = functools.partial(kernels.w8a8, block_m=m, block_n=n, num_warps=warps, num_stages=stages)
                 tiles[f"w8a8 M{m} N{n} w{warps} s{stages}"] = graph_ms(
                     platform, functools.partial(run, x, functools.partial(fp8_linear, op=op))
                 )

@@ -34,7 +34,7 @@ def fp8_linear(
         or not _scaled_mm_fits(x, weight)
     ):
         return triton_fp8.fp8_linear(x, weight, weight_scale, bias, block)
-    q, x_scale = triton_fp8.quantize_per_token(rows if rows.stride(-1) == 1 else rows.contiguous())
+    q, x_scale = triton_fp8.quantize(rows if rows.stride(-1) == 1 else rows.contiguous())
     out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
     if bias is not None:
         out += bias

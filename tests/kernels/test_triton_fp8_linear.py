@@ -62,15 +62,25 @@ def test_activations_quantize_per_token_as_torch_rounds_them():
     x[2, :5] = torch.tensor([448.0, -1.97, 1.9999, 0.0039, 7.8])  # values whose rounding carries into the exponent
     x[3] *= 1e-4  # subnormal e4m3 values after scaling
     for dtype in (torch.float32, torch.bfloat16):
-        q, scale = kernels.quantize_per_token(x.to(DEVICE, dtype))
+        q, scale = kernels.quantize(x.to(DEVICE, dtype))
         xf = x.to(dtype).float()
         expected_scale = xf.abs().amax(1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
         expected = (xf / expected_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         assert torch.equal(scale.cpu(), expected_scale)
         assert torch.equal(q.cpu().view(torch.uint8), expected.view(torch.uint8)), dtype
+    # and per group of 128 columns (the W8A8 GEMM's activations), the last group partial
+    q, scale = kernels.quantize(x.to(DEVICE, torch.bfloat16), 128)
+    for g, start in enumerate(range(0, 700, 128)):
+        part = x.to(torch.bfloat16)[:, start : start + 128].float()
+        part_scale = part.abs().amax(1).clamp(min=1e-12) / E4M3_MAX
+        assert torch.equal(scale.cpu()[:, g], part_scale)
+        expected = (part / part_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        assert torch.equal(q.cpu()[:, start : start + 128].view(torch.uint8), expected.view(torch.uint8))
 
 
-@pytest.mark.parametrize("block", [None, (128, 128), (64, 256)], ids=["per-row", "block128", "block64x256"])
+@pytest.mark.parametrize(
+    "block", [None, (128, 128), (64, 256), (128, 384)], ids=["per-row", "block128", "block64x256", "block128x384"]
+)
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_weight_only_kernel_equals_the_reference(block, rows):
     gen = torch.Generator().manual_seed(rows)
@@ -90,7 +100,7 @@ def test_w8a8_kernel_multiplies_per_group_quantized_activations(block):
     weight, scale = _weight(n, k, block, gen)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
     x[3] *= 50  # rows of very different ranges: a per-tensor activation scale would lose the small ones
-    got = kernels.w8a8_block(*_to(x, weight, scale, None), block, block_m=32, block_n=64).cpu().float()
+    got = kernels.w8a8(*_to(x, weight, scale, None), block, block_m=32, block_n=64).cpu().float()
     dequantized = native_ops.dequantize_fp8(weight, scale, block)
     emulated = _quantized_groups(x, kernels.BLOCK_K) @ dequantized.t()
     torch.testing.assert_close(got, emulated, atol=2e-2, rtol=1.6e-2)
