@@ -23,16 +23,28 @@ from omnirun.loader.presets import preset_config
 from omnirun.models.architecture import decoder_shape
 from omnirun.registry import select_platform
 
+# (N, K, warps, stages) of the weight-only kernel; (M, N, warps, stages) of the W8A8 GEMM
 WEIGHT_ONLY_TILES = [
-    (8, 4, 4),
-    (16, 4, 4),
-    (16, 4, 6),
-    (32, 4, 4),
-    (32, 8, 4),
-    (64, 4, 3),
-    (64, 8, 4),
-]  # N, warps, stages
-W8A8_TILES = [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4)]
+    (4, 1024, 4, 4),
+    (8, 1024, 4, 4),
+    (8, 2048, 4, 3),
+    (16, 1024, 4, 4),
+    (16, 512, 4, 4),
+    (16, 256, 4, 4),
+    (32, 256, 4, 4),
+    (32, 512, 8, 4),
+    (64, 256, 8, 3),
+]
+W8A8_TILES = [
+    (64, 64, 4, 4),
+    (64, 128, 4, 3),
+    (64, 128, 4, 4),
+    (64, 128, 8, 4),
+    (64, 256, 8, 3),
+    (128, 128, 8, 3),
+    (128, 128, 8, 4),
+    (128, 256, 8, 3),
+]
 
 
 def graph_ms(platform, fn, repeats: int = 20) -> float:
