@@ -73,7 +73,7 @@ def platform_row(platform: Platform) -> PlatformRow:
             + deterministic_linear(platform)
         )
         row.default_run = default_run(platform)
-        row.quantized = loading_summary("fp8_linear" in row.fused_ops)
+        row.quantized = loading_summary("fp8_linear" in row.fused_ops, "int4_linear" in row.fused_ops)
     return row
 
 

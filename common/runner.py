@@ -39,9 +39,9 @@ from omnirun.distributed.weights_group import (
 )
 from omnirun.errors import DistributedInitError, KVPoolTooSmallError, ModelLoadError, WeightUpdateError
 from omnirun.graphs import DecodeGraphRunner
-from omnirun.layers.linear import Fp8Of, Linear, full_precision
+from omnirun.layers.linear import Linear, QuantizedOf, full_precision
 from omnirun.layers.moe import SparseMoE
-from omnirun.layers.ops import deterministic_ops, resolve_ops, runs_fp8_weights
+from omnirun.layers.ops import deterministic_ops, resolve_ops, runs_fp8_weights, runs_int4_weights
 from omnirun.loader import (
     SafetensorsCheckpoint,
     context_length,
@@ -65,6 +65,7 @@ from omnirun.models.tp_layout import tp_layout
 from omnirun.platform import Platform
 from omnirun.quantization import dequantized, quantized_format
 from omnirun.quantization.fp8 import Fp8Format
+from omnirun.quantization.int4 import AwqFormat, GptqFormat
 from omnirun.registry import select_platform
 from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory, graph_form
 from omnirun.sampling.graph_form import GraphStep
@@ -206,7 +207,7 @@ class ModelRunner:
                 dtype=self.dtype,
                 tp=self.tp,
                 layout=self.layout,
-                fp8_of=self._fp8_layers(),
+                quantized_of=self._quantized_layers(),
             )
         with torch.no_grad():
             if self.config.load_format == "dummy":
@@ -231,11 +232,17 @@ class ModelRunner:
         )
         return model.eval()
 
-    def _fp8_layers(self) -> Fp8Of:
-        """Which linear layers keep the checkpoint's fp8 weights: all it quantizes, where the platform runs
-        `fp8_linear` and the run is not deterministic (whose linears read plain weights); else none."""
-        if isinstance(self.quantization, Fp8Format) and runs_fp8_weights(self.ops) and not self.config.deterministic:
-            return self.quantization.fp8_of()
+    def _quantized_layers(self) -> QuantizedOf:
+        """Which linear layers keep the checkpoint's quantized weights: all it quantizes (as the format keeps them),
+        where the platform runs the format's op (`fp8_linear`, `int4_linear`) and the run is not deterministic
+        (whose linears read plain weights); else none."""
+        fmt = self.quantization
+        if self.config.deterministic:
+            return full_precision
+        if isinstance(fmt, Fp8Format) and runs_fp8_weights(self.ops):
+            return fmt.quantized_of()
+        if isinstance(fmt, (AwqFormat, GptqFormat)) and runs_int4_weights(self.ops):
+            return fmt.quantized_of()
         return full_precision
 
     def _init_kv_memory(self) -> KVMemory:
@@ -621,16 +628,17 @@ class ModelRunner:
         return f"top {moe.top_k} of {moe.num_experts}, {held}, fused_moe {_op_origin(self.ops.fused_moe)}"
 
     def weights_format(self) -> str:
-        """How the checkpoint's weights are held: the model dtype, a quantized format dequantized at load, or fp8
-        kept for the platform's `fp8_linear`."""
+        """How the checkpoint's weights are held: the model dtype, a quantized format dequantized at load, or fp8 or
+        int4 kept for the platform's `fp8_linear` or `int4_linear`."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.quantization is None:
             return dtype
-        fp8 = sum(1 for m in self.model.modules() if isinstance(m, Linear) and m.fp8 is not None)
-        if fp8:
-            kernel = _op_origin(self.ops.fp8_linear)
-            held = f"{fp8} linear layers kept in fp8 (fp8_linear {kernel}), the rest {dtype}"
-            return f"{self.quantization.describe()}, {held}"
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        for kind, op in (("fp8", self.ops.fp8_linear), ("int4", self.ops.int4_linear)):
+            kept = sum(1 for m in linears if getattr(m, kind) is not None)
+            if kept:
+                held = f"{kept} linear layers kept in {kind} ({kind}_linear {_op_origin(op)}), the rest {dtype}"
+                return f"{self.quantization.describe()}, {held}"
         return f"{self.quantization.describe()}, dequantized to {dtype} at load"
 
     # --- weights from a trainer (RLHF): a process group shared with it, the trainer's rank 0 broadcasting ---

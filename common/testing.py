@@ -13,7 +13,7 @@ import torch
 
 from omnirun.batch import build_batch
 from omnirun.config import RunnerConfig
-from omnirun.layers import native_ops
+from omnirun.layers.ops import Ops
 from omnirun.memory import KVMemory
 from omnirun.platform import Platform
 from omnirun.runner import ModelRunner
@@ -131,22 +131,38 @@ def randomize_constant_parameters(model: torch.nn.Module, seed: int) -> list[str
     return changed
 
 
-def keeping_fp8(platform: Platform) -> Platform:
-    """`platform` offering the reference `fp8_linear` as if it were its kernel: layers then keep a checkpoint's fp8
-    weights where the device has no kernel for them, so that the kept path (loading, sharding, the op's calls) is
-    tested on any device. The calls are counted on the returned platform's `fp8_linear_calls`."""
+def keeping_quantized(platform: Platform, *ops: str) -> Platform:
+    """`platform` offering the references of the quantized linear ops `ops` ("fp8_linear", "int4_linear") as if
+    they were its kernels: layers then keep a checkpoint's quantized weights where the device has no kernel for them,
+    so that the kept path (loading, sharding, the op's calls) is tested on any device. Calls are counted per op in
+    the returned platform's `calls`."""
 
-    class KeepsFp8(type(platform)):
-        fp8_linear_calls = 0
+    class KeepsQuantized(type(platform)):
+        calls = dict.fromkeys(ops, 0)
 
         def device_fused_ops(self):
-            def fp8_linear(*args):
-                type(self).fp8_linear_calls += 1
-                return native_ops.fp8_linear(*args)
+            def counted(name: str):
+                reference = getattr(Ops(), name)
 
-            return {**super().device_fused_ops(), "fp8_linear": fp8_linear}
+                def op(*args):
+                    type(self).calls[name] += 1
+                    return reference(*args)
 
-    return KeepsFp8()
+                return op
+
+            return {**super().device_fused_ops(), **{name: counted(name) for name in ops}}
+
+    return KeepsQuantized()
+
+
+def keeping_fp8(platform: Platform) -> Platform:
+    """`platform` offering the reference `fp8_linear` as its kernel (keeping_quantized)."""
+    return keeping_quantized(platform, "fp8_linear")
+
+
+def keeping_int4(platform: Platform) -> Platform:
+    """`platform` offering the reference `int4_linear` as its kernel (keeping_quantized)."""
+    return keeping_quantized(platform, "int4_linear")
 
 
 def make_runner(platform: Platform, model: Path | str, **flags) -> ModelRunner:

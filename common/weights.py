@@ -38,6 +38,11 @@ def target_for(
         target = model.checkpoint_target(name)
     except KeyError:
         raise ValueError(f"tensor {name!r} is not a parameter of this model") from None
+    except ValueError as exc:  # the model refuses it: a full-precision weight for a layer that keeps quantized ones
+        if not hasattr(exc, "hint"):
+            raise
+        stored = ":" if dtype is None else f" is stored as {str(dtype).removeprefix('torch.')}, but"
+        raise DtypeMismatch(f"tensor {name!r}{stored} {exc}", hint=exc.hint) from None
     if target is None:
         return None
     if tuple(target.full_shape) != tuple(shape):

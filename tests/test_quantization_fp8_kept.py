@@ -45,9 +45,9 @@ def test_kept_fp8_layers_give_the_dequantized_model_s_logits(tmp_path, arch, blo
             assert linear.weight.dtype == torch.float8_e4m3fn and linear.weight_scale.dtype == torch.float32
         assert f"{expected} linear layers kept in fp8" in kept.describe()["weights"]
         assert "dequantized" in dequantized.describe()["weights"]
-        calls = platform.fp8_linear_calls
+        calls = platform.calls["fp8_linear"]
         logits = _prefill_logits(kept)
-        assert platform.fp8_linear_calls > calls  # the layers ran through the op
+        assert platform.calls["fp8_linear"] > calls  # the layers ran through the op
         # The reference op multiplies by the weight dequantized as at load: the same float32 logits, bit for bit.
         assert torch.equal(logits, _prefill_logits(dequantized))
         assert greedy_generate(kept, PROMPTS, 8) == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]

@@ -31,7 +31,7 @@ from omnirun.testing import (
     ARCHITECTURES,
     MOE_ARCHITECTURES,
     greedy_generate,
-    keeping_fp8,
+    keeping_quantized,
     make_runner,
     tiny_configs,
     tiny_hf_model,
@@ -46,7 +46,10 @@ NEW_TOKENS = 6
 # platform offering fp8_linear: each rank holds its blocks and their scales); the mixture-of-experts models, each
 # expert's intermediate columns split over the ranks
 KEPT_FP8 = "llama_fp8_kept"
-MODELS = (*ARCHITECTURES, *MOE_ARCHITECTURES, "llama_bias", "llama_fp8", KEPT_FP8)
+# llama as an AWQ checkpoint in groups of 32, kept packed (int4_linear offered): every layer at TP 2; at TP 4 o_proj's
+# 16 inputs a rank cut its groups, so those layers are dequantized at load and the others stay packed
+KEPT_INT4 = "llama_awq_kept"
+MODELS = (*ARCHITECTURES, *MOE_ARCHITECTURES, "llama_bias", "llama_fp8", KEPT_FP8, KEPT_INT4)
 # the same checkpoints with expert parallelism: whole experts per rank (8 experts: TP 2 and 4 both divide them)
 EXPERT_PARALLEL = ("mixtral_ep", "qwen3_moe_ep")
 DUMMY = "dummy_vocab251"  # tied (qwen3) and a vocabulary that divides by neither 2 nor 4: padded on every TP size
@@ -89,13 +92,19 @@ def _rank_main(world: int, rank: int, port: int, workdir: Path) -> None:
     seen = {}
     for name in (*MODELS, DUMMY, *EXPERT_PARALLEL):
         path, flags = _model(workdir, name)
-        runner = make_runner(keeping_fp8(platform) if name == KEPT_FP8 else platform, path, tp_size=world, **flags)
+        runner = make_runner(_keeping(platform, name), path, tp_size=world, **flags)
         seen[name] = _observe(runner, weights=name == DUMMY)
         runner.close()
     torch.save(seen, workdir / f"tp{world}_rank{rank}.pt")
     dist.destroy_process_group()
     sys.stdout.write(f"RESULT rank {rank} done\n")
     sys.stdout.flush()
+
+
+def _keeping(platform, name: str):
+    """The platform a test model runs on: offering the reference quantized op its kept layers call."""
+    ops = {KEPT_FP8: ("fp8_linear",), KEPT_INT4: ("int4_linear",)}.get(name)
+    return keeping_quantized(platform, *ops) if ops else platform
 
 
 def _model(workdir: Path, name: str) -> tuple[Path, dict]:
@@ -115,10 +124,11 @@ def workdir(tmp_path_factory) -> Path:
     config = tiny_configs()["llama"]
     config.attention_bias = config.mlp_bias = True
     _save_random(config, path / "llama_bias")
-    from quantized_checkpoints import write_fp8_checkpoint  # tests/support: on pytest's path, not the ranks'
+    from quantized_checkpoints import write_fp8_checkpoint, write_int4_checkpoint  # on pytest's path, not the ranks'
 
     write_fp8_checkpoint(path / "llama_fp8", "llama", (24, 40))
     write_fp8_checkpoint(path / KEPT_FP8, "llama", (16, 16))  # whole blocks on every rank of TP 2 and 4
+    write_int4_checkpoint(path / KEPT_INT4, "llama", "awq", 32)
     config = tiny_configs()["qwen3"]
     config.vocab_size = 251
     config.save_pretrained(path / DUMMY)  # dummy weights: the config alone
@@ -144,7 +154,7 @@ def tp1(workdir) -> dict:
     try:
         for name in (*MODELS, DUMMY):
             path, flags = _model(workdir, name)
-            runner = make_runner(keeping_fp8(platform) if name == KEPT_FP8 else platform, path, **flags)
+            runner = make_runner(_keeping(platform, name), path, **flags)
             seen[name] = _observe(runner, weights=name == DUMMY)
             runner.close()
     finally:
@@ -220,6 +230,14 @@ def test_kept_fp8_blocks_stay_fp8_on_every_rank(tp_n, tp1):
     world, ranks = tp_n
     for seen in (tp1, *ranks):
         assert "8 linear layers kept in fp8" in seen[KEPT_FP8]["weights_format"]
+
+
+def test_kept_int4_layers_are_packed_where_each_rank_holds_whole_groups(tp_n, tp1):
+    world, ranks = tp_n
+    assert "8 linear layers kept in int4" in tp1[KEPT_INT4]["weights_format"]
+    kept = {2: 8, 4: 6}[world]  # at TP 4, o_proj's 16 inputs a rank cut groups of 32: dequantized at load
+    for seen in ranks:
+        assert f"{kept} linear layers kept in int4" in seen[KEPT_INT4]["weights_format"]
 
 
 def test_dummy_weights_at_tp_n_are_the_tp1_dummy_weights_split(tp_n, tp1):

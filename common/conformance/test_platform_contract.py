@@ -257,6 +257,13 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
         weight = (torch.randn(200, 384, generator=gen) * 8).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
         scale = (torch.rand(2, 3, generator=gen) * 1e-2 + 1e-3).to(device)
         return rand(5, 384), weight, scale, rand(200), (128, 128)
+    if name == "int4_linear":
+        # Decode-sized rows, groups of 32 (several a kernel's K step) with a partial last one; the packed words hold
+        # random 4-bit values, zero points the whole 0..15 range. Larger batches are the kernels' own test.
+        packed = torch.randint(-(2**31), 2**31, (200, 37), generator=gen, dtype=torch.int64).to(torch.int32)
+        scale = torch.rand(200, 10, generator=gen) * 0.02 + 0.002
+        zero = torch.randint(0, 16, (200, 10), generator=gen).to(torch.uint8)
+        return rand(5, 296), packed.to(device), scale.to(device), zero.to(device), rand(200), 32
     if name == "rotary_embedding":
         table = torch.randn(64, 32, generator=gen).to(device)  # float32 [positions, head_dim]: cos | sin
         positions = torch.tensor([0, 3, 9, 17, 63], device=device)

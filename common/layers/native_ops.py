@@ -41,6 +41,39 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     return weight.float() * per_element
 
 
+def int4_linear(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """x W^T + b for a 4-bit weight kept packed (AWQ and GPTQ checkpoints converted at load to one layout):
+    `weight_packed` int32 [N, K / 8], word c of row n holding inputs 8c..8c+7 of that row, the lowest four bits
+    first; `weight_scale` float32 [N, ceil(K / group_size)] and `weight_zero_point` uint8 of the same shape, one per
+    output row and group of `group_size` consecutive inputs. W[n, k] = (q - zero) x scale of k's group. The
+    reference dequantizes the weight to x's dtype and multiplies, as a model whose weights were dequantized at load
+    does (the same float32 products, then the same rounding)."""
+    return F.linear(x, dequantize_int4(weight_packed, weight_scale, weight_zero_point, group_size).to(x.dtype), bias)
+
+
+def unpack_int4_rows(weight_packed: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K / 8] -> int32 [N, K]: each word's eight 4-bit values, the lowest bits first."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=weight_packed.device)
+    values = (weight_packed.unsqueeze(-1) >> shifts) & 0xF
+    return values.reshape(weight_packed.shape[0], -1)
+
+
+def dequantize_int4(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_zero_point: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """float32 [N, K]: (q - zero) x scale per output row and group of inputs (the last group may be partial)."""
+    q = unpack_int4_rows(weight_packed)
+    group = torch.arange(q.shape[1], device=q.device) // group_size
+    return (q - weight_zero_point[:, group].to(torch.int32)).float() * weight_scale[:, group].float()
+
+
 # Rows per call of the batch-invariant linear: every matmul it runs has this many rows.
 INVARIANT_ROWS = 32
 

@@ -40,6 +40,11 @@ class Ops:
     # float32 [N] or [ceil(N / rows), ceil(K / columns)], bias or None, block (rows, columns) or None) -> [M, N] in
     # x's dtype. Offered only where a kernel runs it: with the reference alone, fp8 weights are dequantized at load.
     fp8_linear: Callable[..., Any] = native_ops.fp8_linear
+    # A linear layer that kept its checkpoint's 4-bit weight (AWQ, GPTQ; W4A16): (x [M, K], weight_packed int32
+    # [N, K / 8] (8 inputs a word, lowest bits first), weight_scale float32 [N, groups], weight_zero_point uint8
+    # [N, groups], bias or None, group_size) -> [M, N] in x's dtype. Offered only where a kernel runs it: with the
+    # reference alone, int4 weights are dequantized at load.
+    int4_linear: Callable[..., Any] = native_ops.int4_linear
     # Deterministic mode's linear: each row's result independent of the row count (native_ops has the reference).
     batch_invariant_linear: Callable[..., Any] = native_ops.batch_invariant_linear
 
@@ -51,6 +56,11 @@ def runs_fp8_weights(ops: Ops) -> bool:
     """Whether layers keep fp8 checkpoint weights: the platform offers a kernel for them (the reference
     dequantizes the whole weight at every call, so without one the weights are dequantized once, at load)."""
     return ops.fp8_linear is not native_ops.fp8_linear
+
+
+def runs_int4_weights(ops: Ops) -> bool:
+    """Whether layers keep AWQ/GPTQ 4-bit weights packed: the platform offers a kernel for `int4_linear`."""
+    return ops.int4_linear is not native_ops.int4_linear
 
 
 def deterministic_ops(ops: Ops) -> Ops:

@@ -27,16 +27,33 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def dummy_tensor(
-    seed: int, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+    seed: int,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    int4: bool = False,
 ) -> torch.Tensor:
     """The dummy value of checkpoint tensor `name`: norm scales (1-D "...norm.weight") and fp8 weights' scales ones,
     biases normal(0, 0.01), other weights normal(0, 0.02) (fp8 ones too), drawn on `device` from a generator seeded
-    by (seed, name)."""
+    by (seed, name). Of a layer kept in `int4`: random 4-bit values in the packed words, zero points 8 and scales
+    that give the weights a standard deviation near 0.02."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(param_seed(seed, name))
+    if int4:
+        if name.endswith("weight_packed"):
+            return torch.randint(-(2**31), 2**31, shape, generator=generator, dtype=torch.int64, device=device).to(
+                dtype
+            )
+        if name.endswith("weight_zero_point"):
+            return torch.full(shape, 8, dtype=dtype, device=device)
+        if name.endswith("weight_scale"):  # uniform q - 8 in -8..7 has a standard deviation of about 4.6
+            values = torch.empty(shape, dtype=torch.float32, device=device).uniform_(0.5, 1.5, generator=generator)
+            return (values * (WEIGHT_STD / 4.6)).to(dtype)
     if (len(shape) == 1 and name.endswith("norm.weight")) or name.endswith("weight_scale"):
         return torch.ones(shape, dtype=dtype, device=device)
     std = BIAS_STD if name.endswith("bias") else WEIGHT_STD
-    generator = torch.Generator(device=device)
-    generator.manual_seed(param_seed(seed, name))
     draw_dtype = dtype if dtype in _NORMAL_DTYPES else torch.float32
     values = torch.empty(shape, dtype=draw_dtype, device=device).normal_(0.0, std, generator=generator)
     return values if draw_dtype == dtype else values.to(dtype)
@@ -45,10 +62,13 @@ def dummy_tensor(
 def dummy_checkpoint(model, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full dummy tensor) for every tensor of a complete checkpoint of `model` (one with `checkpoint_names`
     and `checkpoint_target`), in the dtype and on the device of the parameter it fills."""
-    for name in model.checkpoint_names():
+    names = model.checkpoint_names()
+    int4 = {name.removesuffix(".weight_packed") for name in names if name.endswith(".weight_packed")}
+    for name in names:
         target = model.checkpoint_target(name)
         if target is not None:
-            yield name, dummy_tensor(seed, name, target.full_shape, target.view.dtype, target.view.device)
+            kept = name.rpartition(".")[0] in int4
+            yield name, dummy_tensor(seed, name, target.full_shape, target.view.dtype, target.view.device, int4=kept)
 
 
 @torch.no_grad()

@@ -76,6 +76,16 @@ _FP8_PER_CHANNEL = {
     "ignore": ["lm_head"],
 }
 _FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+# hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4 (AutoAWQ's GEMM layout, 4 bits, groups of 128 with zero points;
+# its modules_to_not_convert is null: every decoder projection quantized, the embedding and lm_head never are).
+_AWQ_INT4 = {
+    "quant_method": "awq",
+    "bits": 4,
+    "group_size": 128,
+    "zero_point": True,
+    "version": "gemm",
+    "modules_to_not_convert": None,
+}
 
 PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
@@ -85,6 +95,9 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
         ),
         "llama-3-8b-fp8-block": _preset(
             LlamaConfig, "Meta-Llama-3-8B, fp8 in 128 x 128 blocks", **_LLAMA_3_8B, quantization_config=_FP8_BLOCK
+        ),
+        "llama-3-8b-awq": _preset(
+            LlamaConfig, "Meta-Llama-3-8B, AWQ int4 in groups of 128", **_LLAMA_3_8B, quantization_config=_AWQ_INT4
         ),
         "llama-3.1-8b": _preset(
             LlamaConfig,

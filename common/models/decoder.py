@@ -22,7 +22,7 @@ from omnirun.distributed.tensor_parallel import TensorParallel
 from omnirun.layers.activation import SiluAndMul
 from omnirun.layers.attention import PagedAttention
 from omnirun.layers.embedding import LMHead, VocabEmbedding
-from omnirun.layers.linear import Fp8Of, Linear, RowParallelLinear, full_precision
+from omnirun.layers.linear import Linear, QuantizedOf, RowParallelLinear, full_precision
 from omnirun.layers.moe import SparseMoE
 from omnirun.layers.norm import RMSNorm
 from omnirun.layers.ops import Ops
@@ -43,7 +43,7 @@ class SelfAttention(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallel,
         layout: TPLayout,
-        fp8_of: Fp8Of = full_precision,
+        quantized_of: QuantizedOf = full_precision,
     ):
         super().__init__()
         prefix = f"model.layers.{layer_id}.self_attn"
@@ -51,12 +51,14 @@ class SelfAttention(nn.Module):
         q = Slice(shape.num_heads * hd, layout.head_start * hd, layout.num_heads * hd)
         kv = Slice(shape.num_kv_heads * hd, layout.kv_head_start * hd, layout.num_kv_heads * hd)
         self.q_size, self.kv_size = q.size, kv.size
-        qkv_fp8 = fp8_of([f"{prefix}.{p}_proj" for p in "qkv"])
+        qkv_kept = quantized_of([f"{prefix}.{p}_proj" for p in "qkv"])
         self.qkv_proj = Linear(
-            shape.hidden_size, {"q": q, "k": kv, "v": kv}, bias=shape.qkv_bias, ops=ops, dtype=dtype, fp8=qkv_fp8
+            shape.hidden_size, {"q": q, "k": kv, "v": kv}, bias=shape.qkv_bias, ops=ops, dtype=dtype, quantized=qkv_kept
         )
-        o_fp8 = fp8_of([f"{prefix}.o_proj"])
-        self.o_proj = RowParallelLinear(q, shape.hidden_size, bias=shape.o_bias, ops=ops, dtype=dtype, tp=tp, fp8=o_fp8)
+        o_kept = quantized_of([f"{prefix}.o_proj"])
+        self.o_proj = RowParallelLinear(
+            q, shape.hidden_size, bias=shape.o_bias, ops=ops, dtype=dtype, tp=tp, quantized=o_kept
+        )
         if shape.qk_norm:
             self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops=ops, dtype=dtype)
             self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps, ops=ops, dtype=dtype)
@@ -95,14 +97,16 @@ class MLP(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallel,
         prefix: str = "mlp",
-        fp8_of: Fp8Of = full_precision,
+        quantized_of: QuantizedOf = full_precision,
     ):
         super().__init__()
         gate_up = {"gate": columns, "up": columns}
-        gate_up_fp8 = fp8_of([f"{prefix}.gate_proj", f"{prefix}.up_proj"])
-        self.gate_up_proj = Linear(hidden_size, gate_up, bias=bias, ops=ops, dtype=dtype, fp8=gate_up_fp8)
-        down_fp8 = fp8_of([f"{prefix}.down_proj"])
-        self.down_proj = RowParallelLinear(columns, hidden_size, bias=bias, ops=ops, dtype=dtype, tp=tp, fp8=down_fp8)
+        gate_up_kept = quantized_of([f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.gate_up_proj = Linear(hidden_size, gate_up, bias=bias, ops=ops, dtype=dtype, quantized=gate_up_kept)
+        down_kept = quantized_of([f"{prefix}.down_proj"])
+        self.down_proj = RowParallelLinear(
+            columns, hidden_size, bias=bias, ops=ops, dtype=dtype, tp=tp, quantized=down_kept
+        )
         self.act = SiluAndMul(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +127,7 @@ def _mlp(
     dtype: torch.dtype,
     tp: TensorParallel,
     layout: TPLayout,
-    fp8_of: Fp8Of = full_precision,
+    quantized_of: QuantizedOf = full_precision,
 ) -> nn.Module:
     """Layer `layer_id`'s MLP: dense, or a mixture of experts where the shape says so (each expert's columns split
     over the ranks, or with expert parallelism this rank's experts whole)."""
@@ -132,13 +136,22 @@ def _mlp(
         columns = _rank_columns(shape.intermediate_size, tp)
         prefix = f"model.layers.{layer_id}.mlp"
         return MLP(
-            shape.hidden_size, columns, shape.mlp_bias, ops=ops, dtype=dtype, tp=tp, prefix=prefix, fp8_of=fp8_of
+            shape.hidden_size,
+            columns,
+            shape.mlp_bias,
+            ops=ops,
+            dtype=dtype,
+            tp=tp,
+            prefix=prefix,
+            quantized_of=quantized_of,
         )
     shared = None
     if moe.shared_intermediate_size:
         columns = _rank_columns(moe.shared_intermediate_size, tp)
         prefix = f"model.layers.{layer_id}.mlp.shared_expert"
-        shared = MLP(shape.hidden_size, columns, False, ops=ops, dtype=dtype, tp=tp, prefix=prefix, fp8_of=fp8_of)
+        shared = MLP(
+            shape.hidden_size, columns, False, ops=ops, dtype=dtype, tp=tp, prefix=prefix, quantized_of=quantized_of
+        )
     if layout.expert_parallel:
         columns = Slice.whole(moe.intermediate_size)
         experts = range(layout.expert_start, layout.expert_start + layout.experts_per_rank)
@@ -169,10 +182,10 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallel,
         layout: TPLayout,
-        fp8_of: Fp8Of = full_precision,
+        quantized_of: QuantizedOf = full_precision,
     ):
         super().__init__()
-        parts = dict(ops=ops, dtype=dtype, tp=tp, layout=layout, fp8_of=fp8_of)
+        parts = dict(ops=ops, dtype=dtype, tp=tp, layout=layout, quantized_of=quantized_of)
         self.self_attn = SelfAttention(shape, layer_id, rotary, **parts)
         self.mlp = _mlp(shape, layer_id, **parts)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
@@ -206,12 +219,12 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallel,
         layout: TPLayout,
-        fp8_of: Fp8Of = full_precision,
+        quantized_of: QuantizedOf = full_precision,
     ):
         super().__init__()
         self.embed_tokens = VocabEmbedding(shape.vocab_size, shape.hidden_size, dtype=dtype, tp=tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(shape, i, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout, fp8_of=fp8_of)
+            DecoderLayer(shape, i, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout, quantized_of=quantized_of)
             for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, ops=ops, dtype=dtype)
@@ -270,9 +283,10 @@ class DecoderForCausalLM(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallel | None = None,
         layout: TPLayout | None = None,
-        fp8_of: Fp8Of = full_precision,
+        quantized_of: QuantizedOf = full_precision,
     ):
-        """`fp8_of` names the linear layers that keep the checkpoint's fp8 weights (by their checkpoint modules)."""
+        """`quantized_of` names the linear layers that keep the checkpoint's quantized weights (fp8 or int4, by their
+        checkpoint modules)."""
         super().__init__()
         tp = tp or TensorParallel.single()
         layout = layout or tp_layout(shape, tp.size, tp.rank)
@@ -280,7 +294,7 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"layout of rank {layout.tp_rank}/{layout.tp_size} given to rank {tp.rank}/{tp.size}")
         self.shape, self.tp, self.layout = shape, tp, layout
         rotary = RotaryEmbedding(config, shape.head_dim, max_positions, ops=ops)
-        self.model = DecoderModel(shape, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout, fp8_of=fp8_of)
+        self.model = DecoderModel(shape, rotary, ops=ops, dtype=dtype, tp=tp, layout=layout, quantized_of=quantized_of)
         tied = self.model.embed_tokens if shape.tie_word_embeddings else None
         self.lm_head = LMHead(shape.vocab_size, shape.hidden_size, ops=ops, dtype=dtype, tied_to=tied, tp=tp)
 
@@ -319,12 +333,23 @@ class DecoderForCausalLM(nn.Module):
                 linear = self.get_submodule(f"{parent_path}.{fused}")
             except AttributeError as exc:
                 raise KeyError(name) from exc
-            if getattr(linear, param_name, None) is None:
+            if not isinstance(linear, Linear):
                 raise KeyError(name)
-            return linear.checkpoint_slice(param_name, shard)
+            try:
+                return linear.checkpoint_slice(param_name, shard)
+            except KeyError:
+                raise KeyError(name) from None
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError as exc:
+            raise KeyError(name) from exc
+        if isinstance(module, Linear):  # o_proj, down_proj: split, and perhaps kept quantized
+            try:
+                return module.checkpoint_slice(param_name)
+            except KeyError:
+                raise KeyError(name) from None
         try:
             param = self.get_parameter(name)
-            module = self.get_submodule(module_path)
         except AttributeError as exc:
             raise KeyError(name) from exc
         if hasattr(module, "checkpoint_slice"):  # split layers: o_proj, down_proj, embedding, head

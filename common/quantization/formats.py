@@ -44,15 +44,20 @@ _FORMATS = {
 }
 
 
-def loading_summary(fp8_kernel: bool) -> str:
-    """What `omnirun env` says of quantized checkpoints on a device that does (`fp8_kernel`) or does not run
-    `fp8_linear`."""
-    if not fp8_kernel:
+def loading_summary(fp8_kernel: bool, int4_kernel: bool = False) -> str:
+    """What `omnirun env` says of quantized checkpoints on a device that does or does not run `fp8_linear`
+    (`fp8_kernel`) and `int4_linear` (`int4_kernel`)."""
+    kept = [
+        what
+        for what, runs in (
+            ("fp8 weights kept in fp8 for fp8_linear", fp8_kernel),
+            ("awq/gptq 4-bit weights kept packed for int4_linear", int4_kernel),
+        )
+        if runs
+    ]
+    if not kept:
         return f"{', '.join(_FORMATS)} checkpoints, dequantized to the model dtype at load"
-    return (
-        f"{', '.join(_FORMATS)} checkpoints; fp8 weights kept in fp8 for fp8_linear, the others dequantized to the "
-        "model dtype at load"
-    )
+    return f"{', '.join(_FORMATS)} checkpoints; {', '.join(kept)}, the others dequantized to the model dtype at load"
 
 
 def quantized_format(config: Any) -> QuantizedFormat | None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from omnirun.errors import ModelLoadError
-from omnirun.layers.linear import Fp8Of, Fp8Weights
+from omnirun.layers.linear import Fp8Weights, QuantizedOf
 from omnirun.layers.native_ops import dequantize_fp8
 
 STRATEGIES = ("tensor", "channel", "block")
@@ -76,14 +76,19 @@ class Fp8Format:
             re.fullmatch(entry[3:], module) if entry.startswith("re:") else entry in module for entry in self.ignored
         )
 
-    def fp8_of(self) -> Fp8Of:
+    def quantized_of(self) -> QuantizedOf:
         """The layers that keep this checkpoint's fp8 weights: every linear layer whose modules it quantizes."""
         weights = Fp8Weights(self.block if self.strategy == "block" else None)
         return lambda modules: weights if all(self.quantizes(m) for m in modules) else None
 
-    def kept(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight and its scales as an fp8 layer keeps them (omnirun.layers.linear.Fp8Weights): a float32 scale
-        per output row (a per-tensor scale repeated, so that fused projections keep each their own) or per block."""
+    def kept(self, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The layer's parameters as an fp8 layer keeps them (omnirun.layers.linear.Fp8Weights): its `weight` and a
+        float32 `weight_scale` per output row (a per-tensor scale repeated, so that fused projections keep each their
+        own) or per block."""
+        weight, scale = self._checked(parts)
+        return {"weight": weight, "weight_scale": scale}
+
+    def _checked(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         weight, scale = parts
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
             raise ModelLoadError(
@@ -111,7 +116,7 @@ class Fp8Format:
 
     def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """weight [N, K] in fp8 x its scales -> [N, K] in `dtype` (the product taken in float32)."""
-        weight, scale = self.kept(parts)
+        weight, scale = self._checked(parts)
         return dequantize_fp8(weight, scale, self.block).to(dtype)
 
 

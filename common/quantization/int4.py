@@ -9,16 +9,25 @@
   "gptq" checkpoint format stores each zero point minus one, "gptq_v2" as it is.
 
 K = in_features, N = out_features, G = group_size (-1: one group over K). The linear layer's weight is [N, K].
+
+Where the platform runs `int4_linear`, 4-bit layers are kept packed instead, both formats converted at load to one
+layout (omnirun.layers.linear.Int4Weights: `weight_packed` int32 [N, K / 8] with eight consecutive inputs a word,
+the lowest bits first; `weight_scale` float32 and `weight_zero_point` uint8 [N, groups]): one row per output, so
+tensor-parallel and fused-shard splits cut rows, and K is cut at whole groups. GPTQ with act order (`desc_act`,
+g_idx a permutation of the groups) and 8-bit GPTQ stay dequantized at load: the kept layout has groups of
+consecutive inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
 
 from omnirun.errors import ModelLoadError
+from omnirun.layers.linear import Int4Weights, QuantizedOf, full_precision
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column each nibble of an AWQ word holds, within its 8
 
@@ -35,6 +44,31 @@ def unpack(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | No
     shape = list(words.shape)
     shape[dim] *= per_word
     return fields.reshape(shape)
+
+
+def pack_int4_rows(values: torch.Tensor) -> torch.Tensor:
+    """ints in 0..15 [N, K] (K a multiple of 8) -> int32 [N, K / 8], word c holding inputs 8c..8c+7, the lowest bits
+    first (the kept layout; omnirun.layers.native_ops.unpack_int4_rows is its inverse)."""
+    rows, columns = values.shape
+    if columns % 8:
+        raise ModelLoadError(f"a 4-bit layer of {columns} inputs cannot be kept packed: not a multiple of 8")
+    fields = values.to(torch.int64).reshape(rows, columns // 8, 8) << (4 * torch.arange(8, dtype=torch.int64))
+    words = fields.sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _kept(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """q [K, N], zeros and scales [groups, N] -> the kept layer's parameters (omnirun.layers.linear.Int4Weights)."""
+    return {
+        "weight_packed": pack_int4_rows(q.t()),
+        "weight_scale": scales.t().float().contiguous(),
+        "weight_zero_point": zeros.t().to(torch.uint8).contiguous(),
+    }
+
+
+def _listed(module: str, entries: tuple[str, ...]) -> bool:
+    """Whether `module` is named by a modules_to_not_convert list (substrings, as transformers matches them)."""
+    return any(entry in module for entry in entries)
 
 
 def _group_size(quantization: dict[str, Any], key: str) -> int:
@@ -58,6 +92,7 @@ def _groups(group_size: int, in_features: int, groups: int, method: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class AwqFormat:
     group_size: int
+    ignored: tuple[str, ...] = ()  # modules_to_not_convert: left in full precision by the checkpoint
 
     @classmethod
     def from_config(cls, quantization: dict[str, Any]) -> AwqFormat:
@@ -68,7 +103,8 @@ class AwqFormat:
                 f"AWQ with bits {bits}, version {version!r}, zero_point {quantization.get('zero_point', True)} is not "
                 "supported: omnirun loads 4-bit GEMM checkpoints with zero points"
             )
-        return cls(_group_size(quantization, "group_size" if "group_size" in quantization else "q_group_size"))
+        size = _group_size(quantization, "group_size" if "group_size" in quantization else "q_group_size")
+        return cls(size, tuple(quantization.get("modules_to_not_convert") or ()))
 
     def describe(self) -> str:
         return f"awq int4 group {self.group_size}"
@@ -83,7 +119,17 @@ class AwqFormat:
     def dropped(self, name: str) -> bool:
         return False
 
-    def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def quantizes(self, module: str) -> bool:
+        """Whether the checkpoint holds `module` (an HF module name) in 4 bits."""
+        return not _listed(module, self.ignored)
+
+    def quantized_of(self) -> QuantizedOf:
+        """The layers that keep this checkpoint's 4-bit weights: every linear layer whose modules it quantizes."""
+        weights = Int4Weights(self.group_size)
+        return lambda modules: weights if all(self.quantizes(m) for m in modules) else None
+
+    def _unpacked(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(q [K, N], zeros [groups, N], scales [groups, N], inputs per group), checked against each other."""
         qweight, qzeros, scales = parts
         q = unpack(qweight, 4, dim=1, order=AWQ_ORDER)  # [K, N]
         zeros = unpack(qzeros, 4, dim=1, order=AWQ_ORDER)  # [groups, N]
@@ -92,7 +138,15 @@ class AwqFormat:
                 f"AWQ parts disagree: qweight unpacks to {list(q.shape)}, qzeros to {list(zeros.shape)}, scales are "
                 f"{list(scales.shape)}: re-save the checkpoint"
             )
-        size = _groups(self.group_size, q.shape[0], scales.shape[0], "AWQ")
+        return q, zeros, scales, _groups(self.group_size, q.shape[0], scales.shape[0], "AWQ")
+
+    def kept(self, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The layer's parameters in the kept layout (omnirun.layers.linear.Int4Weights)."""
+        q, zeros, scales, _ = self._unpacked(parts)
+        return _kept(q, zeros, scales)
+
+    def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        q, zeros, scales, size = self._unpacked(parts)
         group = torch.arange(q.shape[0]) // size
         return ((q - zeros[group]).float() * scales[group].float()).t().to(dtype)
 
@@ -102,6 +156,9 @@ class GptqFormat:
     bits: int
     group_size: int
     zero_minus_one: bool  # the "gptq" checkpoint format's zero points (stored minus one)
+    desc_act: bool = False  # act order: g_idx permutes the groups (dequantized at load, never kept)
+    ignored: tuple[str, ...] = ()  # modules_to_not_convert: left in full precision by the checkpoint
+    skipped: tuple[str, ...] = ()  # GPTQModel's `dynamic` "-:" rules: regular expressions of modules left out
 
     @classmethod
     def from_config(cls, quantization: dict[str, Any]) -> GptqFormat:
@@ -113,7 +170,15 @@ class GptqFormat:
             raise ModelLoadError(
                 f"GPTQ checkpoint_format {checkpoint_format!r} is not supported: omnirun loads gptq and gptq_v2"
             )
-        return cls(bits, _group_size(quantization, "group_size"), zero_minus_one=checkpoint_format == "gptq")
+        dynamic = quantization.get("dynamic") or {}
+        return cls(
+            bits,
+            _group_size(quantization, "group_size"),
+            zero_minus_one=checkpoint_format == "gptq",
+            desc_act=bool(quantization.get("desc_act", False)),
+            ignored=tuple(quantization.get("modules_to_not_convert") or ()),
+            skipped=tuple(key[2:] for key in dynamic if key.startswith("-:")),
+        )
 
     def describe(self) -> str:
         return f"gptq int{self.bits} group {self.group_size}"
@@ -128,7 +193,21 @@ class GptqFormat:
     def dropped(self, name: str) -> bool:
         return False
 
-    def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def quantizes(self, module: str) -> bool:
+        """Whether the checkpoint holds `module` (an HF module name) quantized (vLLM matches `dynamic`'s "-:" rules
+        with re.match)."""
+        return not _listed(module, self.ignored) and not any(re.match(rule, module) for rule in self.skipped)
+
+    def quantized_of(self) -> QuantizedOf:
+        """The layers that keep this checkpoint's weights packed: every linear layer whose modules it quantizes, for
+        4 bits without act order; else none."""
+        if self.bits != 4 or self.desc_act:
+            return full_precision
+        weights = Int4Weights(self.group_size)
+        return lambda modules: weights if all(self.quantizes(m) for m in modules) else None
+
+    def _unpacked(self, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [K, N], zeros [groups, N], scales [groups, N], each input's group [K]), checked against each other."""
         qweight, qzeros, scales, g_idx = parts
         q = unpack(qweight, self.bits, dim=0)  # [K, N]
         zeros = unpack(qzeros, self.bits, dim=1) + int(self.zero_minus_one)  # [groups, N]
@@ -140,4 +219,20 @@ class GptqFormat:
         group = g_idx.long()
         if group.min() < 0 or group.max() >= scales.shape[0]:
             raise ModelLoadError(f"GPTQ g_idx names groups outside 0..{scales.shape[0] - 1}: re-save the checkpoint")
+        return q, zeros, scales, group
+
+    def kept(self, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The layer's parameters in the kept layout (omnirun.layers.linear.Int4Weights): groups of consecutive
+        inputs, which g_idx must say."""
+        q, zeros, scales, group = self._unpacked(parts)
+        size = _groups(self.group_size, q.shape[0], scales.shape[0], "GPTQ")
+        if not torch.equal(group, torch.arange(q.shape[0]) // size):
+            raise ModelLoadError(
+                "the GPTQ checkpoint's g_idx is in act order though its config says desc_act false: set "
+                '"desc_act": true in its quantization_config (such layers are dequantized at load)'
+            )
+        return _kept(q, zeros, scales)
+
+    def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        q, zeros, scales, group = self._unpacked(parts)
         return ((q - zeros[group]).float() * scales[group].float()).t().to(dtype)

@@ -20,8 +20,9 @@ def dequantized(
     keeps: Callable[[str], bool] = lambda layer: False,
 ) -> Iterator[tuple[str, Any]]:
     """(name, tensor) of `tensors` with every layer's quantized parts replaced by its weight in `dtype`, or, for a
-    layer that `keeps` its quantized weight (fp8 layers where the platform runs `fp8_linear`), by the weight and
-    `<layer>.weight_scale` as the layer holds them (the format's `kept`). A layer's parts wait for each other
+    layer that `keeps` its quantized weight (where the platform runs `fp8_linear` or `int4_linear`), by the
+    parameters the layer holds (the format's `kept`: `<layer>.weight` and `.weight_scale` for fp8; `.weight_packed`,
+    `.weight_scale` and `.weight_zero_point` for int4). A layer's parts wait for each other
     wherever in the stream they come; a part left waiting at the end is an error."""
     waiting: dict[str, tuple[str, torch.Tensor]] = {}  # part name -> (its layer, the part read whole)
     for name, source in tensors:
@@ -37,9 +38,8 @@ def dequantized(
         if all(part in waiting for part in parts):
             found = [waiting.pop(part)[1] for part in parts]
             if keeps(layer):
-                weight, scale = fmt.kept(found)
-                yield f"{layer}.weight", weight
-                yield f"{layer}.weight_scale", scale
+                for param, tensor in fmt.kept(found).items():
+                    yield f"{layer}.{param}", tensor
             else:
                 yield f"{layer}.weight", fmt.dequantize(found, dtype)
     if waiting:

@@ -133,9 +133,12 @@ def write_fp8_checkpoint(
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column 8c + AWQ_PACK_ORDER[i]
 
 
-def quantize_groups(weight: torch.Tensor, group_of_input: torch.Tensor, groups: int, bits: int = 4):
-    """Asymmetric integer quantization of weight [N, K] per (group of inputs, output): (q [K, N], zeros
-    [groups, N], scales [groups, N]) with weight[n, k] ~ (q[k, n] - zeros[g, n]) x scales[g, n], g the group of k."""
+def quantize_groups(
+    weight: torch.Tensor, group_of_input: torch.Tensor, groups: int, bits: int = 4, symmetric: bool = False
+):
+    """Integer quantization of weight [N, K] per (group of inputs, output): (q [K, N], zeros [groups, N], scales
+    [groups, N]) with weight[n, k] ~ (q[k, n] - zeros[g, n]) x scales[g, n], g the group of k. Asymmetric (the
+    group's range over 2^bits - 1 steps), or symmetric as GPTQ's `sym` (zero 2^(bits-1), scale max|w| x 2 / top)."""
     w = weight.float().t()  # [K, N]
     top = (1 << bits) - 1
     scales, zeros = torch.empty(groups, w.shape[1]), torch.empty(groups, w.shape[1], dtype=torch.int32)
@@ -143,8 +146,11 @@ def quantize_groups(weight: torch.Tensor, group_of_input: torch.Tensor, groups: 
     for g in range(groups):
         rows = group_of_input == g
         low, high = w[rows].amin(0).clamp(max=0), w[rows].amax(0).clamp(min=0)
+        if symmetric:
+            high = torch.maximum(-low, high)
+            low = -high
         scales[g] = ((high - low) / top).clamp(min=1e-6).half().float()  # the checkpoint stores float16 scales
-        zeros[g] = torch.round(-low / scales[g]).clamp(0, top).int()
+        zeros[g] = (1 << (bits - 1)) if symmetric else torch.round(-low / scales[g]).clamp(0, top).int()
         q[rows] = (torch.round(w[rows] / scales[g]) + zeros[g]).clamp(0, top).int()
     return q, zeros, scales
 
@@ -174,16 +180,26 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def write_int4_checkpoint(path: Path, arch: str, method: str, group_size: int, act_order: bool = False):
-    """A tiny random `arch` model saved as an AWQ ("awq") or GPTQ ("gptq", act order optional) checkpoint of its
-    decoder projections; returns the HF model with the weights the checkpoint stands for in their place."""
+def write_int4_checkpoint(
+    path: Path,
+    arch: str,
+    method: str,
+    group_size: int,
+    act_order: bool = False,
+    *,
+    symmetric: bool = False,
+    keep: tuple[str, ...] = (),
+):
+    """A tiny random `arch` model saved as an AWQ ("awq") or GPTQ ("gptq", act order and `symmetric` optional)
+    checkpoint of its decoder projections, those named in `keep` left in full precision (and listed in the config's
+    modules_to_not_convert); returns the HF model with the weights the checkpoint stands for in their place."""
     hf = tiny_hf_model(arch)
     hf.save_pretrained(path)
     tensors = load_file(path / "model.safetensors")
     stands_for = {}
     gen = torch.Generator().manual_seed(11)
     for name in list(tensors):
-        if not (".layers." in name and name.endswith("proj.weight")):
+        if not (".layers." in name and name.endswith("proj.weight")) or any(k in name for k in keep):
             continue
         weight = tensors.pop(name)
         layer = name.removesuffix(".weight")
@@ -192,7 +208,7 @@ def write_int4_checkpoint(path: Path, arch: str, method: str, group_size: int, a
         group_of_input = torch.arange(in_features) // group_size
         if act_order:  # GPTQ's desc_act: groups follow a permutation of the inputs
             group_of_input = group_of_input[torch.randperm(in_features, generator=gen)]
-        q, zeros, scales = quantize_groups(weight, group_of_input, groups)
+        q, zeros, scales = quantize_groups(weight, group_of_input, groups, symmetric=symmetric)
         stands_for[name] = ((q - zeros[group_of_input]).float() * scales[group_of_input]).t()
         tensors[f"{layer}.scales"] = scales.half()
         if method == "awq":
@@ -211,6 +227,7 @@ def write_int4_checkpoint(path: Path, arch: str, method: str, group_size: int, a
             "group_size": group_size,
             "zero_point": True,
             "version": "gemm",
+            "modules_to_not_convert": list(keep) or None,
         }
     else:
         config["quantization_config"] = {
@@ -218,8 +235,9 @@ def write_int4_checkpoint(path: Path, arch: str, method: str, group_size: int, a
             "bits": 4,
             "group_size": group_size,
             "desc_act": act_order,
-            "sym": False,
+            "sym": symmetric,
             "checkpoint_format": "gptq",
+            **({"modules_to_not_convert": list(keep)} if keep else {}),
         }
     (path / "config.json").write_text(json.dumps(config))
     hf.load_state_dict(stands_for, strict=False)

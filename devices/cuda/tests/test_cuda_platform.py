@@ -186,6 +186,9 @@ def test_triton_kernels_launch_with_pdl_from_hopper_on(fake_gpu, monkeypatch, ca
         else:
             assert op in (getattr(ops, name, None), gemv.linear), name
     assert fused["argmax"].pdl is pdl
+    from omnirun.kernels.triton.int4_linear import int4_linear
+
+    assert fused["int4_linear"] is int4_linear  # the portable W4A16 kernel, on every sm with Triton
 
 
 def test_no_triton_without_the_package(fake_gpu, monkeypatch: pytest.MonkeyPatch):

@@ -1,0 +1,73 @@
+"""The Triton `int4_linear` kernel against the op's torch reference (omnirun.layers.native_ops.int4_linear), which
+dequantizes as a load does: one row (CUDA-core reduction, 1024-input K steps), 5 and 16 rows (16-row dots, steps of
+256), 70 rows (the GEMM's tiles, steps of 64); groups of 32 and 128 (several per K step, or a step inside one); N
+and K that leave partial tiles and a partial last group; zero points over the whole 0..15 range. Within bf16
+rounding of the output and of the dequantized weight. Without a GPU the kernel runs in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'omnirun[cuda]' or '[rocm]')")
+
+from omnirun.kernels.triton import int4_linear as kernels  # noqa: E402
+from omnirun.layers import native_ops  # noqa: E402
+from omnirun.quantization.int4 import pack_int4_rows  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
+N, K = 200, 584  # 73 words a row: partial tiles along N and K, and a partial last group of 32 and of 128
+
+
+def _weight(n: int, k: int, group: int, gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random packed 4-bit values, float32 scales (float16 values, as checkpoints store them) and uint8 zero points
+    in 0..15, [n, ceil(k / group)] each."""
+    groups = -(-k // group)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scale = (torch.rand(n, groups, generator=gen) * 0.02 + 0.002).half().float()
+    zero = torch.randint(0, 16, (n, groups), generator=gen).to(torch.uint8)
+    return pack_int4_rows(q), scale, zero
+
+
+def _to(*tensors):
+    return tuple(t.to(DEVICE) if t is not None else None for t in tensors)
+
+
+def _check(rows: int, group: int, kernel, **tiles) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + group)
+    packed, scale, zero = _weight(N, K, group, gen)
+    x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16)
+    got = kernel(*_to(x, packed, scale, zero, bias), group, **tiles).cpu().float()
+    expected = native_ops.int4_linear(x.float(), packed, scale, zero, bias.float(), group)
+    # bf16 output (2^-8 relative) and, for the dots, the weight rounded to bf16 before the product
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_gemv_equals_the_reference(rows, group):
+    _check(rows, group, kernels.gemv)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_gemm_equals_the_reference(group):
+    _check(70, group, kernels.gemm, block_m=32, block_n=64)
+
+
+def test_a_k_step_inside_one_group_and_the_op_s_dispatch():
+    """Groups of 128 read 64 inputs a step (one scale per row and step); the op flattens leading dimensions, picks
+    the GEMV or the GEMM by rows, and serves float32 through the reference."""
+    _check(70, 128, kernels.gemm, block_k=64)
+    gen = torch.Generator().manual_seed(3)
+    packed, scale, zero = _weight(96, 256, 32, gen)
+    for rows in (1, 3, 40):
+        x = torch.randn(2, rows, 256, generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = kernels.int4_linear(*_to(x.to(dtype), packed, scale, zero, None), 32).cpu()
+            assert got.shape == (2, rows, 96) and got.dtype == dtype
+            expected = native_ops.int4_linear(x.to(dtype).float(), packed, scale, zero, None, 32)
+            torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=1.6e-2)
+    with pytest.raises(ValueError, match="groups of 48"):
+        kernels.gemv(*_to(x[0].to(torch.bfloat16), packed, scale, zero, None), 48)
