@@ -107,11 +107,11 @@ def test_sampling_in_the_graph_equals_the_eager_sampler(platform, tiny_checkpoin
     graphs = _graph_runner_or_skip(runner, platform, dtype)
     rng = random.Random(batch_size)
     prompts = [[rng.randrange(1, 256) for _ in range(3 + 2 * i)] for i in range(batch_size)]
-    replays = sum(g.replays for by_width in graphs.samplers.values() for g in by_width.values())
+    replays = sum(getattr(g, "replays", 0) for by_width in graphs.samplers.values() for g in by_width.values())
     steps = [mixed_params(rng, batch_size) for _ in range(3)]
     graph_and_eager_steps(runner, prompts, steps)
     sampled = sum(not all(p.greedy for p in params) for params in steps)
-    after = sum(g.replays for by_width in graphs.samplers.values() for g in by_width.values())
+    after = sum(getattr(g, "replays", 0) for by_width in graphs.samplers.values() for g in by_width.values())
     if hasattr(next(iter(graphs.graphs.values()))[0], "replays"):  # a graph that counts its replays
         assert after - replays == sampled
 

@@ -52,7 +52,9 @@ def pack_int4_rows(values: torch.Tensor) -> torch.Tensor:
     rows, columns = values.shape
     if columns % 8:
         raise ModelLoadError(f"a 4-bit layer of {columns} inputs cannot be kept packed: not a multiple of 8")
-    fields = values.to(torch.int64).reshape(rows, columns // 8, 8) << (4 * torch.arange(8, dtype=torch.int64))
+    fields = values.to(torch.int64).reshape(rows, columns // 8, 8) << (
+        4 * torch.arange(8, dtype=torch.int64, device=values.device)
+    )
     words = fields.sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
