@@ -15,6 +15,7 @@ import functools
 import json
 
 import torch
+from graph_timing import graph_ms, projections  # bench/: beside this script
 
 from omnirun.bandwidth import measure_bandwidth
 from omnirun.kernels.triton import fp8_linear as kernels
@@ -45,34 +46,6 @@ W8A8_TILES = [
     (128, 128, 8, 4),
     (128, 256, 8, 3),
 ]
-
-
-def graph_ms(platform, fn, repeats: int = 20) -> float:
-    """Milliseconds per replay of a graph of `fn` (captured after a warm-up call that compiles it)."""
-    api = platform.graph_api()
-    fn()
-    platform.synchronize()
-    graph = api.new_graph()
-    with api.capture(graph, pool=api.new_pool()):
-        fn()
-    graph.replay()
-    start, end = platform.event(enable_timing=True), platform.event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    platform.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
-def projections(shape) -> list[tuple[int, int]]:
-    """(N, K) of a decoder layer's four matmuls."""
-    hd = shape.head_dim
-    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * hd
-    return [(qkv, shape.hidden_size), (shape.hidden_size, shape.num_heads * hd)] + [
-        (2 * shape.intermediate_size, shape.hidden_size),
-        (shape.hidden_size, shape.intermediate_size),
-    ]
 
 
 def main() -> None:

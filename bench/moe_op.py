@@ -17,6 +17,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from graph_timing import graph_ms  # bench/: beside this script
 
 from omnirun.bandwidth import measure_bandwidth
 from omnirun.kernels.triton import moe
@@ -41,24 +42,6 @@ GROUPED_TILES = [
     (64, 128, 64, 8, 4),
     (128, 128, 64, 8, 3),
 ]
-
-
-def graph_ms(platform, fn, repeats: int = 10) -> float:
-    """Milliseconds per replay of a graph of `fn` (captured after a warm-up call that compiles it)."""
-    api = platform.graph_api()
-    fn()
-    platform.synchronize()
-    graph = api.new_graph()
-    with api.capture(graph, pool=api.new_pool()):
-        fn()
-    graph.replay()
-    start, end = platform.event(enable_timing=True), platform.event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    platform.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def _one_tile(default, kernel, tile, slots):

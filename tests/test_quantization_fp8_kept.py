@@ -11,16 +11,7 @@ import torch
 from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.layers.linear import Linear
 from omnirun.testing import greedy_generate, hf_greedy, keeping_fp8, make_runner
-from quantized_checkpoints import PROMPTS, write_fp8_checkpoint
-
-
-def _prefill_logits(runner) -> torch.Tensor:
-    from omnirun.batch import build_batch
-
-    rows = [runner.kv.new_request() for _ in PROMPTS]
-    batch = build_batch(runner.kv, rows, [0] * len(PROMPTS), PROMPTS, runner.device)
-    batch.return_full_logits = True
-    return runner.forward(batch).clone()
+from quantized_checkpoints import PROMPTS, prefill_logits, write_fp8_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -46,10 +37,10 @@ def test_kept_fp8_layers_give_the_dequantized_model_s_logits(tmp_path, arch, blo
         assert f"{expected} linear layers kept in fp8" in kept.describe()["weights"]
         assert "dequantized" in dequantized.describe()["weights"]
         calls = platform.calls["fp8_linear"]
-        logits = _prefill_logits(kept)
+        logits = prefill_logits(kept)
         assert platform.calls["fp8_linear"] > calls  # the layers ran through the op
         # The reference op multiplies by the weight dequantized as at load: the same float32 logits, bit for bit.
-        assert torch.equal(logits, _prefill_logits(dequantized))
+        assert torch.equal(logits, prefill_logits(dequantized))
         assert greedy_generate(kept, PROMPTS, 8) == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
     finally:
         kept.close()

@@ -11,19 +11,11 @@ import json
 import pytest
 import torch
 
-from omnirun.batch import build_batch
 from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.errors import ModelLoadError
 from omnirun.layers.linear import Linear
 from omnirun.testing import greedy_generate, hf_greedy, keeping_int4, make_runner
-from quantized_checkpoints import PROMPTS, write_int4_checkpoint
-
-
-def _prefill_logits(runner) -> torch.Tensor:
-    rows = [runner.kv.new_request() for _ in PROMPTS]
-    batch = build_batch(runner.kv, rows, [0] * len(PROMPTS), PROMPTS, runner.device)
-    batch.return_full_logits = True
-    return runner.forward(batch).clone()
+from quantized_checkpoints import PROMPTS, prefill_logits, write_int4_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -52,10 +44,10 @@ def test_kept_int4_layers_give_the_dequantized_model_s_logits(
         assert (f"{expected} linear layers kept in int4" in described) == bool(expected), described
         assert "dequantized" in dequantized.describe()["weights"]
         calls = platform.calls["int4_linear"]
-        logits = _prefill_logits(kept)
+        logits = prefill_logits(kept)
         assert (platform.calls["int4_linear"] > calls) == bool(expected)  # the kept layers ran through the op
         # The reference op multiplies by the weight dequantized as at load: the same float32 logits, bit for bit.
-        assert torch.equal(logits, _prefill_logits(dequantized))
+        assert torch.equal(logits, prefill_logits(dequantized))
         assert greedy_generate(kept, PROMPTS, 8) == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
     finally:
         kept.close()
@@ -99,7 +91,7 @@ def test_dummy_weights_load_for_an_awq_config_kept_and_dequantized(tmp_path):
         runner = make_runner(platform, tmp_path, load_format="dummy")
         try:
             assert held in runner.describe()["weights"]
-            logits = _prefill_logits(runner)
+            logits = prefill_logits(runner)
             assert torch.isfinite(logits).all() and logits.std() > 0
         finally:
             runner.close()

@@ -30,6 +30,16 @@ def assert_loads_as(path: Path, hf, stands_for: dict[str, torch.Tensor], describ
     assert tokens == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
 
 
+def prefill_logits(runner) -> torch.Tensor:
+    """Every position's logits of PROMPTS prefilled together (the kept-vs-dequantized tests compare them)."""
+    from omnirun.batch import build_batch
+
+    rows = [runner.kv.new_request() for _ in PROMPTS]
+    batch = build_batch(runner.kv, rows, [0] * len(PROMPTS), PROMPTS, runner.device)
+    batch.return_full_logits = True
+    return runner.forward(batch).clone()
+
+
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, float32 scale) as DeepSeek-V3's and transformers' FineGrainedFP8 checkpoints store
     them: per [rows, columns] block (the last ones partial) scale = amax / 448 and weight ~ fp8 x scale (the scale

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from omnirun.kernels.triton.modes import INTERPRETED
+from omnirun.kernels.triton.tiles import l2_grouped_tile
 from omnirun.layers import native_ops
 
 E4M3_MAX = 448.0
@@ -132,15 +133,7 @@ def _w8a8_kernel(
     BLOCK_K: tl.constexpr,  # the activations' quantization group: one activation scale per row and K step
     GROUP_M: tl.constexpr,
 ):
-    # Tiles walked in groups of GROUP_M rows of tiles, so that neighbouring programs share weight tiles in L2.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = l2_grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from omnirun.kernels.triton.modes import INTERPRETED
+from omnirun.kernels.triton.tiles import l2_grouped_tile
 from omnirun.layers import native_ops
 
 
@@ -48,15 +49,7 @@ def _int4_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Tiles walked in groups of GROUP_M rows of tiles, so that neighbouring programs share weight tiles in L2.
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = l2_grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omnirun.kernels.triton.tiles import l2_grouped_tile
+
 _INTERPRETING = bool(triton.knobs.runtime.interpret)
 BLOCK_M = 64
 _DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -43,16 +45,7 @@ def _matmul_kernel(
     GROUP_M: tl.constexpr,
     DOT_TY: tl.constexpr,
 ):
-    # Programs that share a block of W's rows run next to each other, so a weight tile read by one stays in L2
-    # for the next row block (what makes large batches read the weights about once).
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = l2_grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
