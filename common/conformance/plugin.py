@@ -48,7 +48,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line("markers", "slow: takes a minute or more on a small CPU (deselect with -m 'not slow')")
     report = config.getoption("--conformance-report")
-    if report:
+    # Under pytest-xdist each worker's outcomes reach the controller, which writes the one report: a worker
+    # (config.workerinput) writing its half would race it.
+    if report and not hasattr(config, "workerinput"):
         from omnirun.conformance.report import ConformanceReport
 
         config.pluginmanager.register(ConformanceReport(report, device_under_test(config)), "omnirun-report")
