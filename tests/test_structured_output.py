@@ -1,10 +1,11 @@
 """Structured output (SamplingParams.structured_output) with the embedded model, whose random weights would never
 write JSON by themselves: every output of 100 random JSON schemas parses and validates with jsonschema; regex,
-choice and EBNF constraints match; constrained and free requests share batches; overlap scheduling waits for a
-grammar's previous token; bad constraints are refused in one line."""
+choice and EBNF constraints match; constrained and free requests share batches; overlap scheduling runs ahead of
+grammars with the serial tokens; bad constraints are refused in one line."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -103,13 +104,20 @@ def test_constrained_and_free_requests_share_a_batch(llm):
     assert re.fullmatch("[a-c]{5}", together[1].text)
 
 
-def test_overlap_scheduling_waits_for_a_grammar_s_previous_token():
-    """With overlap on (the default on GPUs), a grammar's mask needs the token sampled one step before: the engine
-    completes that step first. Without the wait, the mask would be a token behind and the output would not match."""
+def _constrained_run(llm: LLM, overlap: bool, calls: list[str] | None = None) -> list[list[int]]:
+    """Three seeded JSON-schema requests and a free one through an engine of its own over `llm`'s runner; the
+    tokens of each. `calls` (if given) records forward passes and step completions in order, with the step's batch."""
     from omnirun.engine.engine import Engine
 
-    llm = LLM(**FLAGS)  # an engine of its own over this runner (it takes over the KV pool)
-    engine = Engine(llm.runner, tokenizer=llm.tokenizer, eos_token_ids=llm.engine.eos_token_ids, overlap_schedule=True)
+    engine = Engine(
+        llm.runner, tokenizer=llm.tokenizer, eos_token_ids=llm.engine.eos_token_ids, overlap_schedule=overlap
+    )
+    if calls is not None:
+        forward, complete = llm.runner.forward, engine._complete
+        llm.runner.forward = lambda batch: calls.append(("forward", batch)) or forward(batch)
+        engine._complete = lambda launched: (
+            (launched and calls.append(("complete", launched.step.batch))) or complete(launched)
+        )
     schema = random_schema(random.Random(7))
     requests = [
         engine.add_request(
@@ -124,10 +132,34 @@ def test_overlap_scheduling_waits_for_a_grammar_s_previous_token():
     try:
         while engine.has_work:
             engine.step()
-        for req in requests[:3]:
-            assert req.finish_reason.value == "stop"
-            jsonschema.validate(json.loads(engine.text_of(req)), schema)
-        assert len(requests[3].output_ids) == 40
+    finally:
+        if calls is not None:
+            del llm.runner.forward
+    for req in requests[:3]:
+        assert req.finish_reason.value == "stop"
+        jsonschema.validate(json.loads(engine.text_of(req)), schema)
+    assert len(requests[3].output_ids) == 40
+    return [list(req.output_ids) for req in requests]
+
+
+def test_overlap_scheduling_runs_ahead_of_grammars_and_gives_the_serial_tokens():
+    """With overlap on (the default on GPUs), a grammar's mask needs the token sampled one step before: the engine
+    queues the next forward pass, completes the step in flight while it runs, then fills the masks and samples. The
+    tokens are those of serial scheduling (seeded sampling), and forward passes do run ahead of completions. With a
+    mask filled before the step in flight completes, the grammar would be a token behind and the outputs would
+    neither validate nor match."""
+    llm = LLM(**FLAGS)  # engines of their own over this runner (each takes over the KV pool)
+    try:
+        serial = _constrained_run(llm, overlap=False)
+        calls: list[tuple[str, object]] = []
+        assert _constrained_run(llm, overlap=True, calls=calls) == serial
+        # A forward pass followed by the completion of another (earlier) step: it ran ahead.
+        ahead = sum(
+            1
+            for (first, batch), (then, other) in itertools.pairwise(calls)
+            if (first, then) == ("forward", "complete") and other is not batch
+        )
+        assert ahead > 20, f"forward passes ran ahead of the step in flight {ahead} times of {len(calls) // 2}"
     finally:
         llm.close()
 

@@ -26,13 +26,27 @@ from omnirun.engine.request_checks import check_request
 from omnirun.engine.scheduler import PENDING_TOKEN, ScheduledStep, Scheduler
 from omnirun.memory.radix_cache import RadixCache
 from omnirun.runner import ModelRunner
-from omnirun.sampling import SamplingParams, TokenHistory
+from omnirun.sampling import SampleOutput, SamplingParams, TokenHistory
 from omnirun.sampling.token_bitmask import allocate_token_bitmask
 from omnirun.sampling.token_counts import TokenCounts
 from omnirun.structured import LazyGrammarBackend, StructuredOutputError
 
 # Tokens one prefill step may compute, and the largest piece of one prompt per step, when not configured.
 DEFAULT_MAX_PREFILL_TOKENS = 8192
+
+
+@dataclasses.dataclass
+class _Forwarded:
+    """A step whose forward pass is queued and whose sampling is not (unless the decode graph sampled it)."""
+
+    step: ScheduledStep
+    requests: list[Request]  # those that sample, in logits-row order
+    params: list[SamplingParams]
+    token_index: list[int]
+    history: TokenHistory | None
+    logits: torch.Tensor | None = None  # the sampling rows' logits
+    sampled: SampleOutput | None = None  # sampled inside the decode graph
+    prompt_logprobs: list[PromptLogprobs] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -240,25 +254,27 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Advance by one step; returns the requests that received a token (finished ones included)."""
-        if self.overlap and self._in_flight is not None and any(r.grammar is not None for r in self.requests.values()):
-            # A grammar's next mask needs its previous token on the host: no step runs ahead while one is live.
-            previous, self._in_flight = self._in_flight, None
-            done = self._complete(previous)
-            seen = {r.request_id for r in done}
-            return done + [r for r in self._step_now() if r.request_id not in seen]
         step = self.scheduler.schedule()
-        launched = self._launch(step) if step is not None else None
         if not self.overlap:
-            return self._complete(launched)
+            return self._complete(self._launch(step) if step is not None else None)
+        if step is not None and any(step.requests[i].grammar is not None for i in step.sampling):
+            # A grammar's next mask needs its previous token on the host. The forward pass goes first; the step in
+            # flight completes while it runs (the grammars take their tokens), then the masks and the sampling.
+            queued = self._queue_forward(step)
+            done = self.complete_in_flight()
+            self._in_flight = self._queue_sampling(queued)
+            return done
+        launched = self._launch(step) if step is not None else None
         previous, self._in_flight = self._in_flight, launched
         return self._complete(previous)
 
-    def _step_now(self) -> list[Request]:
-        step = self.scheduler.schedule()
-        return self._complete(self._launch(step) if step is not None else None)
-
     def _launch(self, step: ScheduledStep) -> _Launched:
         """Queue the forward pass and sampling of `step` and the copy of its tokens to the host; wait for nothing."""
+        return self._queue_sampling(self._queue_forward(step))
+
+    def _queue_forward(self, step: ScheduledStep) -> _Forwarded:
+        """Queue the forward pass of `step`, and its sampling where the decode graph samples it (no grammar). The
+        requests' host state is read here: the step's sampling uses what it was at this step."""
         batch = step.batch
         if step.has_pending_inputs:
             # Tokens that have not reached the host yet: take them where the sampler left them, on the device.
@@ -270,35 +286,46 @@ class Engine:
         params = [r.params for r in requests]
         vocab = self.runner.shape.vocab_size
         history = self._token_history(requests, vocab) if any(p.adjusts_logits for p in params) else None
-        bitmask = self._token_bitmask(requests, vocab, self.runner.device)
         token_index = [len(r.output_ids) + r.num_pending for r in requests]
-        if batch.mode is ForwardMode.DECODE and len(requests) == batch.batch_size:
-            # Every row samples: the runner samples inside the decode graph where it can.
-            _, out = self.runner.forward_and_sample(batch, params, token_index, history, token_bitmask=bitmask)
-            prompt_parts = []
-        else:
-            logits = self.runner.forward(batch)
-            prompt_parts = prompt_logprobs(step, logits)
-            if not requests:
-                done = None
-                if prompt_parts:
-                    done = self.runner.platform.event()
-                    done.record()
-                return _Launched(step, [], None, None, None, None, done=done, prompt_logprobs=prompt_parts)
+        queued = _Forwarded(step, requests, params, token_index, history)
+        every_row_samples = batch.mode is ForwardMode.DECODE and len(requests) == batch.batch_size
+        if every_row_samples and all(r.grammar is None for r in requests):
+            # The runner samples inside the decode graph where it can.
+            _, queued.sampled = self.runner.forward_and_sample(batch, params, token_index, history)
+            return queued
+        logits = self.runner.forward(batch)
+        queued.prompt_logprobs = prompt_logprobs(step, logits)
+        if requests:
             rows = step.sampling
             if step.every_logit is not None:  # some requests' logits span their whole chunk: where each one's last is
                 last = logit_rows(step)
                 rows = [last[i] for i in step.sampling]
-            if rows != list(range(logits.shape[0])):
-                logits = logits[rows]
-            out = self.runner.sample(logits, params, token_index, history, token_bitmask=bitmask)
+            queued.logits = logits[rows] if rows != list(range(logits.shape[0])) else logits
+        return queued
+
+    def _queue_sampling(self, queued: _Forwarded) -> _Launched:
+        """Queue the sampling of a forwarded step (its grammars' masks are filled now, while the device runs the
+        forward pass) and the copy of its tokens to the host."""
+        requests = queued.requests
+        if not requests:
+            done = None
+            if queued.prompt_logprobs:
+                done = self.runner.platform.event()
+                done.record()
+            return _Launched(queued.step, [], None, None, None, None, done=done, prompt_logprobs=queued.prompt_logprobs)
+        out = queued.sampled
+        if out is None:
+            bitmask = self._token_bitmask(requests, self.runner.shape.vocab_size, self.runner.device)
+            out = self.runner.sample(queued.logits, queued.params, queued.token_index, queued.history, bitmask)
+        history = queued.history
         if history is not None and history.kept is not None:
             self._token_counts.add(history.kept, out.token_ids)
         for req in requests:
             req.num_pending += 1
         if self.overlap:
-            rows = batch.req_pool_indices
-            if len(requests) != batch.batch_size:
+            step = queued.step
+            rows = step.batch.req_pool_indices
+            if len(requests) != step.batch.batch_size:
                 rows = rows[step.sampling]
             self._row_tokens[rows] = out.token_ids
         outputs = (out.token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs)
@@ -306,17 +333,17 @@ class Engine:
         to_host = [None if t is None else t.to("cpu", non_blocking=True, copy=True) for t in outputs]
         done = self.runner.platform.event()
         done.record()
-        return _Launched(step, requests, *to_host, done=done, prompt_logprobs=prompt_parts)
+        return _Launched(queued.step, requests, *to_host, done=done, prompt_logprobs=queued.prompt_logprobs)
 
-    @staticmethod
-    def _token_bitmask(requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor | None:
-        """The tokens each request's grammar allows next (None when no request has one), on the device."""
-        if all(r.grammar is None for r in requests):
+    def _token_bitmask(self, requests: list[Request], vocab: int, device: torch.device) -> torch.Tensor | None:
+        """The tokens each request's grammar allows next (None when no request has one), on the device. A request
+        that stopped at the step before (overlap: this step was forwarded ahead of knowing) keeps an open row: its
+        token is dropped."""
+        rows = [row for row, r in enumerate(requests) if r.grammar is not None and not r.finished]
+        if not rows:
             return None
         bitmask = allocate_token_bitmask(len(requests), vocab)
-        for row, req in enumerate(requests):
-            if req.grammar is not None:
-                req.grammar.fill_bitmask(bitmask, row)
+        self.grammars.fill_bitmasks([requests[row].grammar for row in rows], bitmask, rows)
         return bitmask.to(device, non_blocking=True)
 
     def _token_history(self, requests: list[Request], vocab_size: int) -> TokenHistory:

@@ -14,10 +14,6 @@ from omnirun.structured.spec import GrammarSpec
 
 
 class GrammarMatcher(Protocol):
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into row `row` of an int32 [B, ceil(V / 32)] host bitmask (bit t % 32 of
-        word t // 32 set: token t allowed)."""
-
     def accept_token(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the state is then unchanged)."""
 
@@ -30,6 +26,11 @@ class GrammarBackend(Protocol):
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
         """A fresh matcher of `spec`, compiled on first use and cached by spec (StructuredOutputError if invalid)."""
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Write the tokens matchers[i] allows next into row rows[i] of an int32 [B, ceil(V / 32)] host bitmask
+        (bit t % 32 of word t // 32 set: token t allowed), for every i at once (a library may spread the rows
+        over threads)."""
 
 
 class LazyGrammarBackend:
@@ -51,3 +52,7 @@ class LazyGrammarBackend:
 
                 self._backend = XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
         return self._backend.matcher(spec)
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        assert self._backend is not None, "a matcher comes first"  # (every matcher was made by this backend)
+        self._backend.fill_bitmasks(matchers, bitmask, rows)

@@ -38,11 +38,6 @@ class XGrammarMatcher:
         self._matcher = matcher
         self._also_allowed = also_allowed  # a bitmask row every fill is ANDed with (None: the grammar's alone)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
-        if self._also_allowed is not None:
-            bitmask[row] &= self._also_allowed
-
     def accept_token(self, token: int) -> bool:
         return bool(self._matcher.accept_token(token))
 
@@ -61,6 +56,8 @@ class XGrammarBackend:
         self._no_control_characters = _without_control_characters(info.decoded_vocab, vocab_size)
         self._lock = threading.Lock()  # (compiles from several server threads at once)
         self._compile = functools.lru_cache(maxsize=_CACHE_SIZE)(self._compile_uncached)
+        # Fills a step's masks on several threads (xgrammar's BatchGrammarMatcher, as vLLM and SGLang fill them).
+        self._batch = xgr.BatchGrammarMatcher()
         self.vocab_size = vocab_size
 
     def matcher(self, spec: GrammarSpec) -> XGrammarMatcher:
@@ -71,6 +68,12 @@ class XGrammarBackend:
         return XGrammarMatcher(
             _xgrammar().GrammarMatcher(compiled), self._no_control_characters if json_kinds else None
         )
+
+    def fill_bitmasks(self, matchers: Sequence[XGrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        self._batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, list(rows))
+        also = [row for m, row in zip(matchers, rows, strict=True) if m._also_allowed is not None]
+        if also:
+            bitmask[also] &= self._no_control_characters
 
     def _compile_uncached(self, spec: GrammarSpec) -> Any:
         compiler = self._compiler
