@@ -212,6 +212,12 @@ def read_weight(model: CheckpointModel, name: str, comm: Communicator | None = N
         raise WeightUpdateError(
             f"no weight named {name!r}: use an HF checkpoint name such as {model.checkpoint_names()[0]!r}"
         ) from None
+    except ValueError as exc:  # a layer that keeps quantized weights has no full-precision `weight` to read
+        if not hasattr(exc, "hint"):
+            raise
+        module = name.rpartition(".")[0]
+        stored = [other for other in model.checkpoint_names() if other.rpartition(".")[0] == module]
+        raise WeightUpdateError(f"{name!r} is not stored: {exc}; read {', '.join(map(repr, stored))}") from None
     if target is None:
         raise WeightUpdateError(f"{name!r} is not stored by this model (it is recomputed or tied)")
     if target.dim is None or comm is None or comm.world_size == 1:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omnirun.devices.cpu.platform import CpuPlatform
-from omnirun.errors import ModelLoadError
+from omnirun.errors import ModelLoadError, WeightUpdateError
 from omnirun.layers.linear import Linear
 from omnirun.testing import greedy_generate, hf_greedy, keeping_int4, make_runner
 from quantized_checkpoints import PROMPTS, prefill_logits, write_int4_checkpoint
@@ -95,3 +95,24 @@ def test_dummy_weights_load_for_an_awq_config_kept_and_dequantized(tmp_path):
             assert torch.isfinite(logits).all() and logits.std() > 0
         finally:
             runner.close()
+
+
+def test_reading_a_kept_layer_s_weights_gives_what_it_keeps_and_weight_is_one_line_naming_them(tmp_path):
+    """get_weights_by_name on a layer that keeps int4 weights: its stored tensors by their names (the packed words,
+    scales and zero points, q of the fused q|k|v included), and for `.weight`, which it does not store, a one-line
+    error that names what to read instead."""
+    write_int4_checkpoint(tmp_path, "llama", "awq", 16)
+    runner = make_runner(keeping_int4(CpuPlatform()), tmp_path)
+    try:
+        layer = runner.model.model.layers[0].self_attn.qkv_proj
+        q_rows = layer.shard_offsets["q"][1]
+        packed = runner.get_weights_by_name("model.layers.0.self_attn.q_proj.weight_packed")
+        assert torch.equal(packed, layer.weight_packed[:q_rows])
+        scales = runner.get_weights_by_name("model.layers.0.mlp.down_proj.weight_scale")
+        assert torch.equal(scales, runner.model.model.layers[0].mlp.down_proj.weight_scale)
+        with pytest.raises(WeightUpdateError, match=r"^[^\n]*$") as caught:
+            runner.get_weights_by_name("model.layers.0.self_attn.k_proj.weight")
+        assert "keeps the int4 weights" in str(caught.value)
+        assert "'model.layers.0.self_attn.k_proj.weight_packed'" in str(caught.value)
+    finally:
+        runner.close()
