@@ -41,7 +41,7 @@ from omnirun.errors import DistributedInitError, KVPoolTooSmallError, ModelLoadE
 from omnirun.graphs import DecodeGraphRunner
 from omnirun.layers.linear import Linear, QuantizedOf, full_precision
 from omnirun.layers.moe import SparseMoE
-from omnirun.layers.ops import deterministic_ops, resolve_ops, runs_fp8_weights, runs_int4_weights
+from omnirun.layers.ops import deterministic_ops, resolve_ops
 from omnirun.loader import (
     SafetensorsCheckpoint,
     context_length,
@@ -63,9 +63,7 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.models.decoder import DecoderForCausalLM
 from omnirun.models.tp_layout import tp_layout
 from omnirun.platform import Platform
-from omnirun.quantization import dequantized, quantized_format
-from omnirun.quantization.fp8 import Fp8Format
-from omnirun.quantization.int4 import AwqFormat, GptqFormat
+from omnirun.quantization import KeptFormat, dequantized, quantized_format
 from omnirun.registry import select_platform
 from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory, graph_form
 from omnirun.sampling.graph_form import GraphStep
@@ -237,13 +235,9 @@ class ModelRunner:
         where the platform runs the format's op (`fp8_linear`, `int4_linear`) and the run is not deterministic
         (whose linears read plain weights); else none."""
         fmt = self.quantization
-        if self.config.deterministic:
+        if self.config.deterministic or not isinstance(fmt, KeptFormat) or not fmt.kept_by(self.ops):
             return full_precision
-        if isinstance(fmt, Fp8Format) and runs_fp8_weights(self.ops):
-            return fmt.quantized_of()
-        if isinstance(fmt, (AwqFormat, GptqFormat)) and runs_int4_weights(self.ops):
-            return fmt.quantized_of()
-        return full_precision
+        return fmt.quantized_of()
 
     def _init_kv_memory(self) -> KVMemory:
         """Size the paged KV pool from what the device has left now that the weights are in."""

@@ -2,7 +2,7 @@
 dtype. Today every device dequantizes once at load (issue 33's first step); per-device quantized kernels come
 through the op table later."""
 
-from omnirun.quantization.formats import QuantizedFormat, quantized_format
+from omnirun.quantization.formats import KeptFormat, QuantizedFormat, quantized_format
 from omnirun.quantization.on_load import dequantized
 
-__all__ = ["QuantizedFormat", "dequantized", "quantized_format"]
+__all__ = ["KeptFormat", "QuantizedFormat", "dequantized", "quantized_format"]

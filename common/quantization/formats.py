@@ -3,11 +3,13 @@ weight is read when omnirun cannot load it."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from omnirun.errors import ModelLoadError
+from omnirun.layers.linear import QuantizedOf
+from omnirun.layers.ops import Ops
 from omnirun.quantization import compressed_tensors
 from omnirun.quantization.fp8 import Fp8Format
 from omnirun.quantization.int4 import AwqFormat, GptqFormat
@@ -32,6 +34,19 @@ class QuantizedFormat(Protocol):
 
     def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The layer's weight [out_features, in_features] in `dtype`, from its parts."""
+        ...
+
+
+@runtime_checkable
+class KeptFormat(Protocol):
+    """A format whose quantized weights layers can keep as stored, where the platform runs the format's op."""
+
+    def kept_by(self, ops: Ops) -> bool:
+        """Whether a platform of this op table runs the format's op (`fp8_linear`, `int4_linear`) on the weights."""
+        ...
+
+    def quantized_of(self) -> QuantizedOf:
+        """Which linear layers keep the weights quantized (by the HF modules each fuses), and in which layout."""
         ...
 
 

@@ -17,6 +17,7 @@ import torch
 from omnirun.errors import ModelLoadError
 from omnirun.layers.linear import Fp8Weights, QuantizedOf
 from omnirun.layers.native_ops import dequantize_fp8
+from omnirun.layers.ops import Ops, runs_fp8_weights
 
 STRATEGIES = ("tensor", "channel", "block")
 
@@ -75,6 +76,10 @@ class Fp8Format:
         return not any(
             re.fullmatch(entry[3:], module) if entry.startswith("re:") else entry in module for entry in self.ignored
         )
+
+    def kept_by(self, ops: Ops) -> bool:
+        """Whether layers keep these fp8 weights on a platform of this op table (it runs `fp8_linear`)."""
+        return runs_fp8_weights(ops)
 
     def quantized_of(self) -> QuantizedOf:
         """The layers that keep this checkpoint's fp8 weights: every linear layer whose modules it quantizes."""

@@ -28,6 +28,7 @@ import torch
 
 from omnirun.errors import ModelLoadError
 from omnirun.layers.linear import Int4Weights, QuantizedOf, full_precision
+from omnirun.layers.ops import Ops, runs_int4_weights
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column each nibble of an AWQ word holds, within its 8
 
@@ -125,6 +126,10 @@ class AwqFormat:
         """Whether the checkpoint holds `module` (an HF module name) in 4 bits."""
         return not _listed(module, self.ignored)
 
+    def kept_by(self, ops: Ops) -> bool:
+        """Whether layers keep these 4-bit weights packed on a platform of this op table (it runs `int4_linear`)."""
+        return runs_int4_weights(ops)
+
     def quantized_of(self) -> QuantizedOf:
         """The layers that keep this checkpoint's 4-bit weights: every linear layer whose modules it quantizes."""
         weights = Int4Weights(self.group_size)
@@ -199,6 +204,10 @@ class GptqFormat:
         """Whether the checkpoint holds `module` (an HF module name) quantized (vLLM matches `dynamic`'s "-:" rules
         with re.match)."""
         return not _listed(module, self.ignored) and not any(re.match(rule, module) for rule in self.skipped)
+
+    def kept_by(self, ops: Ops) -> bool:
+        """Whether layers keep these weights packed on a platform of this op table (it runs `int4_linear`)."""
+        return runs_int4_weights(ops)
 
     def quantized_of(self) -> QuantizedOf:
         """The layers that keep this checkpoint's weights packed: every linear layer whose modules it quantizes, for
