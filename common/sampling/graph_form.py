@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from omnirun.sampling.params import SamplingParams
-from omnirun.sampling.sampler import LISTED_TOP_LOGPROBS, SamplingBatch, _keys, host_flags
+from omnirun.sampling.sampler import LISTED_TOP_LOGPROBS, SamplingBatch, host_flags, random_keys
 from omnirun.sampling.shortlist import graph_width, shortlist
 
 # The rows of the static parameters; the first three hold float64 bits.
@@ -82,7 +82,7 @@ def plan_step(
         [p.top_p for p in params] + [1.0] * pad,
         [p.min_p for p in params] + [0.0] * pad,
         [p.top_k if p.top_k > 0 else vocab for p in params] + [vocab] * pad,
-        _keys(params, token_index) + [0] * pad,
+        random_keys(params, token_index) + [0] * pad,
         [int(g) for g in greedy] + [1] * pad,
         length,
         listed.nucleus,

@@ -94,7 +94,7 @@ class SamplingBatch:
         # Built on the host and copied without a sync (see omnirun.host_to_device), in three copies: one per dtype.
         floats = to_device([temperatures, [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
         top_ks = [p.top_k if p.top_k > 0 else k_off for p in params]
-        ints = to_device([top_ks, _keys(params, token_index)] if sampled else [top_ks], torch.int64, device)
+        ints = to_device([top_ks, random_keys(params, token_index)] if sampled else [top_ks], torch.int64, device)
         return cls(
             temperatures=floats[0],
             top_ps=floats[1],
@@ -188,7 +188,7 @@ def token_logprobs(
     return chosen, top_ids[:, :n], top_values[:, :n]
 
 
-def _keys(params: Sequence[SamplingParams], token_index: Sequence[int]) -> list[int]:
+def random_keys(params: Sequence[SamplingParams], token_index: Sequence[int]) -> list[int]:
     """Each row's random key, made on the host: a seeded request's from its seed and token index, any other row's
     a draw of torch's global (CPU) RNG, which torch.manual_seed seeds. No device work: one copy carries them."""
     unseeded = sum(p.seed is None for p in params)
