@@ -127,6 +127,22 @@ MISTRAL = {
     ),
     "no list after the marker": ("[TOOL_CALLS] get_time{}", "[TOOL_CALLS] get_time{}", []),
     "cut inside the list": ('[TOOL_CALLS] [{"name": "f"', '[TOOL_CALLS] [{"name": "f"', []),
+    # v11+ (mistral_common's InstructTokenizerV11 / V13): [TOOL_CALLS]name[CALL_ID]id[ARGS]{arguments} per call
+    "v13 calls": (
+        "[TOOL_CALLS]get_time[ARGS]" + TIME.arguments + "[TOOL_CALLS]write_file[ARGS]" + NESTED.arguments,
+        None,
+        [TIME, NESTED],
+    ),
+    "v11 call ids, text around": (
+        "On it.[TOOL_CALLS]get_current_temperature[CALL_ID]a1B2c3D4e[ARGS]" + WEATHER.arguments + " Done.",
+        "On it. Done.",
+        [WEATHER],
+    ),
+    "v11 markers skipped": ("[TOOL_CALLS]get_time" + TIME.arguments, None, [TIME]),
+    "v11 name no call": ("[TOOL_CALLS]get time[ARGS]{}", "[TOOL_CALLS]get time[ARGS]{}", []),
+    "v11 arguments no object": ("[TOOL_CALLS]f[ARGS][1, 2]", "[TOOL_CALLS]f[ARGS][1, 2]", []),
+    "v11 invalid json": ('[TOOL_CALLS]f[ARGS]{"a": 1,}', '[TOOL_CALLS]f[ARGS]{"a": 1,}', []),
+    "v11 cut inside the arguments": ('[TOOL_CALLS]f[ARGS]{"a": "}', '[TOOL_CALLS]f[ARGS]{"a": "}', []),
 }
 
 CASES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL}
