@@ -11,6 +11,7 @@ kernel's candidate tiles at each batch (GEMV tiles up to 16 rows, GEMM tiles abo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 
@@ -19,6 +20,7 @@ from graph_timing import graph_ms, projections  # bench/: beside this script
 
 from omnirun.bandwidth import measure_bandwidth
 from omnirun.kernels.triton import int4_linear as kernels
+from omnirun.layers import native_ops
 from omnirun.layers.ops import resolve_ops
 from omnirun.loader.presets import preset_config
 from omnirun.models.architecture import decoder_shape
@@ -52,12 +54,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=None, help="default: the preset's, else 128")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--reference", action="store_true", help="time the torch reference (dequantize, then matmul) as the int4 op"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
     platform = select_platform(args.device)
     device = platform.device()
     ops = resolve_ops(platform.fused_ops())
+    if args.reference:
+        ops = dataclasses.replace(ops, int4_linear=native_ops.int4_linear)
     config = preset_config(args.preset)
     quantization = getattr(config, "quantization_config", None) or {}
     group = args.group_size or quantization.get("group_size") or 128

@@ -4,6 +4,7 @@ random HF model saved with its decoder projections quantized, and the HF model h
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -14,6 +15,12 @@ from omnirun.testing import greedy_generate, hf_greedy, make_runner, tiny_hf_mod
 
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3]]
+
+
+def quantized_in_checkpoints(name: str) -> bool:
+    """The decoder weights quantized checkpoints store quantized: the projections, and each expert's (Mixtral's
+    w1 / w2 / w3 too); not norms, embeddings, the LM head or a mixture's router."""
+    return ".layers." in name and (name.endswith("proj.weight") or re.search(r"\.experts\.\d+\.w[123]\.weight$", name))
 
 
 def assert_loads_as(path: Path, hf, stands_for: dict[str, torch.Tensor], described: str) -> None:
@@ -87,7 +94,7 @@ def write_fp8_checkpoint(
     tensors = load_file(path / "model.safetensors")
     dequantized_weights = {}
     for name in list(tensors):
-        if ".layers." in name and name.endswith("proj.weight") and not any(k in name for k in keep):
+        if quantized_in_checkpoints(name) and not any(k in name for k in keep):
             q, scale = quantize_fp8(tensors[name], block)
             tensors[name] = q
             tensors[f"{name}_scale_inv" if isinstance(block, tuple) else f"{name}_scale"] = scale
@@ -209,7 +216,7 @@ def write_int4_checkpoint(
     stands_for = {}
     gen = torch.Generator().manual_seed(11)
     for name in list(tensors):
-        if not (".layers." in name and name.endswith("proj.weight")) or any(k in name for k in keep):
+        if not quantized_in_checkpoints(name) or any(k in name for k in keep):
             continue
         weight = tensors.pop(name)
         layer = name.removesuffix(".weight")
