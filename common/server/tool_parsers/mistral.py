@@ -67,7 +67,7 @@ class MistralScanner:
                     return pieces
                 self._state, self._text = "lead", after
             elif self._state == "lead":
-                if self._text[:1] and _NAME_START.match(self._text):  # v11+: the name right after the marker
+                if _NAME_START.match(self._text):  # v11+: the name right after the marker
                     self._state, self._lead = "header", ""
                     continue
                 rest = self._text.lstrip()
