@@ -27,22 +27,32 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.quantization.int4 import pack_int4_rows
 from omnirun.registry import select_platform
 
-GEMV_TILES = [  # N, K step, warps, stages
-    (8, 1024, 4, 4),
-    (8, 512, 4, 4),
-    (16, 512, 4, 4),
-    (16, 1024, 8, 4),
-    (32, 256, 4, 4),
-    (32, 128, 4, 4),
-    (64, 128, 4, 3),
+GEMV_TILES = [  # N, K step, warps, stages, planes
+    (8, 1024, 4, 4, False),
+    (16, 512, 4, 4, False),
+    (32, 256, 4, 4, False),
+    (8, 1024, 4, 4, True),
+    (8, 512, 4, 4, True),
+    (16, 512, 4, 4, True),
+    (16, 1024, 8, 4, True),
+    (32, 256, 4, 4, True),
+    (64, 256, 4, 3, True),
+    (64, 128, 4, 4, True),
+    (128, 128, 4, 3, True),
+    (128, 256, 8, 3, True),
 ]
-GEMM_TILES = [  # M, N, K step, warps, stages
-    (32, 64, 64, 4, 3),
-    (64, 64, 64, 4, 3),
-    (64, 128, 64, 4, 3),
-    (64, 128, 128, 8, 3),
-    (128, 128, 64, 8, 3),
-    (128, 64, 64, 4, 4),
+GEMM_TILES = [  # M, N, K step, warps, stages, planes
+    (64, 128, 64, 4, 3, False),
+    (128, 128, 64, 8, 3, False),
+    (32, 64, 256, 4, 3, True),
+    (64, 64, 256, 4, 3, True),
+    (64, 128, 128, 4, 3, True),
+    (64, 128, 256, 4, 3, True),
+    (64, 128, 256, 8, 3, True),
+    (128, 128, 256, 8, 3, True),
+    (128, 128, 128, 8, 4, True),
+    (128, 256, 128, 8, 3, True),
+    (256, 128, 128, 8, 3, True),
 ]
 
 
@@ -116,14 +126,16 @@ def main() -> None:
             tiles = {}
             candidates = []
             if bs <= kernels.GEMV_MAX_ROWS:
-                for n, k, warps, stages in GEMV_TILES:
-                    op = functools.partial(kernels.gemv, block_n=n, block_k=k, num_warps=warps, num_stages=stages)
-                    candidates.append((f"gemv N{n} K{k} w{warps} s{stages}", k, op))
-            for m, n, k, warps, stages in GEMM_TILES:
+                for n, k, warps, stages, planes in GEMV_TILES:
+                    op = functools.partial(
+                        kernels.gemv, block_n=n, block_k=k, num_warps=warps, num_stages=stages, planes=planes
+                    )
+                    candidates.append((f"gemv{'P' if planes else ''} N{n} K{k} w{warps} s{stages}", k, op))
+            for m, n, k, warps, stages, planes in GEMM_TILES:
                 op = functools.partial(
-                    kernels.gemm, block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages
+                    kernels.gemm, block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, planes=planes
                 )
-                candidates.append((f"gemm M{m} N{n} K{k} w{warps} s{stages}", k, op))
+                candidates.append((f"gemm{'P' if planes else ''} M{m} N{n} K{k} w{warps} s{stages}", k, op))
             for name, k, op in candidates:
                 if kernels.fits(group, k):
                     tiles[name] = graph_ms(platform, functools.partial(run, x, functools.partial(int4_linear, op=op)))

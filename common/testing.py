@@ -135,7 +135,9 @@ def keeping_quantized(platform: Platform, *ops: str) -> Platform:
     """`platform` offering the references of the quantized linear ops `ops` ("fp8_linear", "int4_linear") as if
     they were its kernels: layers then keep a checkpoint's quantized weights where the device has no kernel for them,
     so that the kept path (loading, sharding, the op's calls) is tested on any device. Calls are counted per op in
-    the returned platform's `calls`."""
+    the returned platform's `calls`. Each op's `prepare_` hook is offered too: it copies the tensors it is given,
+    and the op checks that the `prepared` it receives equals the tensors it multiplies by (so a form left stale by
+    a weight update fails)."""
 
     class KeepsQuantized(type(platform)):
         calls = dict.fromkeys(ops, 0)
@@ -143,14 +145,22 @@ def keeping_quantized(platform: Platform, *ops: str) -> Platform:
         def device_fused_ops(self):
             def counted(name: str):
                 reference = getattr(Ops(), name)
+                held = 2 if name == "fp8_linear" else 3  # what prepare copies: weight, scale | words, scales, zeros
 
-                def op(*args):
+                def op(x, *args):
+                    prepared = args[-1]  # layers pass it last
+                    if not isinstance(prepared, tuple) or not all(map(torch.equal, prepared, args[:held])):
+                        raise AssertionError(f"{name} was not given the prepared form of its current weights")
                     type(self).calls[name] += 1
-                    return reference(*args)
+                    return reference(x, *args)
 
                 return op
 
-            return {**super().device_fused_ops(), **{name: counted(name) for name in ops}}
+            def prepare(*args):
+                return tuple(arg.clone() for arg in args if isinstance(arg, torch.Tensor))
+
+            hooks = {f"prepare_{name}": prepare for name in ops}
+            return {**super().device_fused_ops(), **{name: counted(name) for name in ops}, **hooks}
 
     return KeepsQuantized()
 

@@ -142,15 +142,21 @@ class Linear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.int4 is not None:
             return self.ops.int4_linear(
-                x, self.weight_packed, self.weight_scale, self.weight_zero_point, bias, self.group_size
+                x, self.weight_packed, self.weight_scale, self.weight_zero_point, bias, self.group_size, self.prepared
             )
         if self.fp8 is not None:
-            return self.ops.fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.block)
+            return self.ops.fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.block, self.prepared)
         return self.ops.linear(x, self.weight, bias, self.prepared)
 
     def prepare(self) -> None:
         """Let the platform re-lay the weight for its kernels; called after loading and after weight updates."""
-        if self.fp8 is None and self.int4 is None:  # the quantized ops read the layout they were given
+        if self.int4 is not None:
+            self.prepared = self.ops.prepare_int4_linear(
+                self.weight_packed, self.weight_scale, self.weight_zero_point, self.group_size
+            )
+        elif self.fp8 is not None:
+            self.prepared = self.ops.prepare_fp8_linear(self.weight, self.weight_scale, self.fp8.block)
+        else:
             self.prepared = self.ops.prepare_linear(self.weight)
 
     def shard_view(self, param_name: str, shard: str = "") -> torch.Tensor:

@@ -24,11 +24,13 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     block: tuple[int, int] | None,
+    prepared: Any = None,
 ) -> torch.Tensor:
     """x W^T + b for an fp8 weight kept as loaded: float8_e4m3fn [N, K] with float32 scales, one per output row
     ([N]) or one per `block` ([ceil(N / rows), ceil(K / columns)]). The reference dequantizes the weight to x's
     dtype and multiplies, as a model whose weights were dequantized at load does; a kernel may quantize x to fp8
-    (per token, or per group of `block`'s columns) on the way, within the tolerance the conformance suite states."""
+    (per token, or per group of `block`'s columns) on the way, within the tolerance the conformance suite states.
+    `prepared` is what the platform's `prepare_fp8_linear` made of the weight (unused here)."""
     return F.linear(x, dequantize_fp8(weight, weight_scale, block).to(x.dtype), bias)
 
 
@@ -48,13 +50,15 @@ def int4_linear(
     weight_zero_point: torch.Tensor,
     bias: torch.Tensor | None,
     group_size: int,
+    prepared: Any = None,
 ) -> torch.Tensor:
     """x W^T + b for a 4-bit weight kept packed (AWQ and GPTQ checkpoints converted at load to one layout):
     `weight_packed` int32 [N, K / 8], word c of row n holding inputs 8c..8c+7 of that row, the lowest four bits
     first; `weight_scale` float32 [N, ceil(K / group_size)] and `weight_zero_point` uint8 of the same shape, one per
     output row and group of `group_size` consecutive inputs. W[n, k] = (q - zero) x scale of k's group. The
     reference dequantizes the weight to x's dtype and multiplies, as a model whose weights were dequantized at load
-    does (the same float32 products, then the same rounding)."""
+    does (the same float32 products, then the same rounding). `prepared` is what the platform's
+    `prepare_int4_linear` made of the weight (unused here)."""
     return F.linear(x, dequantize_int4(weight_packed, weight_scale, weight_zero_point, group_size).to(x.dtype), bias)
 
 
@@ -104,6 +108,20 @@ def batch_invariant_linear(
 
 def prepare_linear(weight: torch.Tensor) -> Any:
     """A device-preferred form of a linear weight, made once after loading (None: use the weight as it is)."""
+    return None
+
+
+def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None) -> Any:
+    """A device-preferred form of a kept fp8 weight and its scales (a vendor's layout or fp8 flavour), made once
+    after loading and after each weight update; None: `fp8_linear` reads them as loaded. The loaded tensors stay
+    as they are: weight updates and get_weights_by_name read them."""
+    return None
+
+
+def prepare_int4_linear(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_zero_point: torch.Tensor, group_size: int
+) -> Any:
+    """A device-preferred form of a kept 4-bit weight (a vendor's packing), made as `prepare_fp8_linear`'s is."""
     return None
 
 

@@ -40,11 +40,17 @@ class Ops:
     # float32 [N] or [ceil(N / rows), ceil(K / columns)], bias or None, block (rows, columns) or None) -> [M, N] in
     # x's dtype. Offered only where a kernel runs it: with the reference alone, fp8 weights are dequantized at load.
     fp8_linear: Callable[..., Any] = native_ops.fp8_linear
+    # The platform's form of a kept fp8 weight: (weight, weight_scale, block) -> Any, passed to `fp8_linear` as
+    # `prepared` (None: it reads the loaded tensors).
+    prepare_fp8_linear: Callable[..., Any] = native_ops.prepare_fp8_linear
     # A linear layer that kept its checkpoint's 4-bit weight (AWQ, GPTQ; W4A16): (x [M, K], weight_packed int32
     # [N, K / 8] (8 inputs a word, lowest bits first), weight_scale float32 [N, groups], weight_zero_point uint8
     # [N, groups], bias or None, group_size) -> [M, N] in x's dtype. Offered only where a kernel runs it: with the
     # reference alone, int4 weights are dequantized at load.
     int4_linear: Callable[..., Any] = native_ops.int4_linear
+    # The platform's form of a kept 4-bit weight: (weight_packed, weight_scale, weight_zero_point, group_size) ->
+    # Any, passed to `int4_linear` as `prepared`.
+    prepare_int4_linear: Callable[..., Any] = native_ops.prepare_int4_linear
     # Deterministic mode's linear: each row's result independent of the row count (native_ops has the reference).
     batch_invariant_linear: Callable[..., Any] = native_ops.batch_invariant_linear
 
@@ -81,4 +87,7 @@ def resolve_ops(fused: Mapping[str, Callable[..., Any]]) -> Ops:
         raise ValueError(f"platform offers fused ops omnirun does not know: {unknown}; known: {list(OP_NAMES)}")
     if ("linear" in fused) != ("prepare_linear" in fused):
         raise ValueError("a platform offering `linear` must offer `prepare_linear` too (they agree on a format)")
+    for op in ("fp8_linear", "int4_linear"):
+        if f"prepare_{op}" in fused and op not in fused:
+            raise ValueError(f"a platform offering `prepare_{op}` must offer `{op}` too (it reads what that makes)")
     return Ops(**dict(fused))

@@ -9,6 +9,8 @@ the same way)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from omnirun.kernels.triton import fp8_linear as triton_fp8
@@ -24,6 +26,7 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     block: tuple[int, int] | None,
+    prepared: Any = None,
 ) -> torch.Tensor:
     """The op table's `fp8_linear` (omnirun.layers.native_ops.fp8_linear's contract) on an NVIDIA GPU."""
     rows = x.reshape(-1, x.shape[-1])

@@ -17,6 +17,8 @@ bits as torch's cast on every device.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -334,6 +336,7 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     block: tuple[int, int] | None,
+    prepared: Any = None,
 ) -> torch.Tensor:
     """The op table's `fp8_linear` (omnirun.layers.native_ops.fp8_linear's contract) in Triton alone."""
     if x.dtype not in (torch.bfloat16, torch.float16) or not fits(block):

@@ -18,6 +18,8 @@ bfloat16 casts, so there the dots take float32 inputs (omnirun.kernels.triton.mo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -92,6 +94,71 @@ def _int4_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _int4_planes_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    GROUP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The same product computed transposed, y^T = W x^T, one nibble plane at a time: plane j of a [BLOCK_N,
+    BLOCK_K / 8] tile of words holds inputs 8c + j, so each plane is a [BLOCK_N, BLOCK_K / 8] weight tile as loaded
+    (no reshape, no transpose) and the dot's left operand, against the x columns 8c + j (a strided [BLOCK_K / 8,
+    BLOCK_M] load from cache)."""
+    pid_m, pid_n = l2_grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_c = tl.arange(0, BLOCK_K // 8)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = offs_n.to(tl.int64) * stride_sn
+    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 // 8 + offs_c
+        words = tl.load(w_rows + c[None, :], mask=n_mask[:, None] & (c * 8 < K)[None, :], other=0)  # [BN, BK / 8]
+        if GROUP % BLOCK_K == 0:  # the step lies inside one group
+            s = tl.load(s_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0.0)[:, None]
+            z = tl.load(z_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0).to(tl.int32)[:, None]
+        else:  # word c's group, per row
+            g = s_rows[:, None] + (c * 8 // GROUP)[None, :]
+            g_mask = n_mask[:, None] & (c * 8 < K)[None, :]
+            s = tl.load(s_ptr + g, mask=g_mask, other=0.0)
+            z = tl.load(z_ptr + g, mask=g_mask, other=0).to(tl.int32)
+        for j in tl.static_range(8):
+            w = (((words >> (4 * j)) & 0xF) - z).to(tl.float32) * s  # [BN, BK / 8]: inputs 8c + j
+            kk = c * 8 + j
+            if BLOCK_M == 1:
+                xj = tl.load(x_ptr + pid_m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+                acc += tl.sum(w * xj[None, :], axis=1)[:, None]
+            else:
+                xj = tl.load(x_cols + kk[:, None], mask=(kk < K)[:, None] & m_mask[None, :], other=0.0)
+                if INTERPRETED:
+                    acc += tl.dot(w, xj.to(tl.float32))
+                else:
+                    acc += tl.dot(w.to(xj.dtype), xj)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    y = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
 def fits(group_size: int, block_k: int) -> bool:
     """Whether a K step of `block_k` and the group size divide one another (the kernel's one constraint)."""
     return group_size % block_k == 0 or (block_k % group_size == 0 and group_size % 8 == 0)
@@ -110,6 +177,7 @@ def _launch(
     block_k: int,
     num_warps: int,
     num_stages: int,
+    planes: bool = False,
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight_packed.shape[0]
@@ -119,7 +187,7 @@ def _launch(
         raise ValueError("int4 scales and zero points must be contiguous [N, groups] alike")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _int4_kernel[grid](
+    (_int4_planes_kernel if planes else _int4_kernel)[grid](
         x,
         weight_packed,
         scale,
@@ -173,6 +241,7 @@ def gemv(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 4,
+    planes: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (M <= 16, bf16/fp16) times the 4-bit weight: one row on the CUDA cores, more on 16-row dots."""
     block_m = 1 if x.shape[0] == 1 else 16
@@ -189,6 +258,7 @@ def gemv(
         block_k=block_k or k_step(group_size, launch["block_k"]),
         num_warps=num_warps,
         num_stages=num_stages,
+        planes=planes,
     )
 
 
@@ -205,6 +275,7 @@ def gemm(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    planes: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (many rows, bf16/fp16) times the 4-bit weight, each tile dequantized to x's dtype for the dots."""
     block_k = block_k or k_step(group_size, 64)
@@ -220,6 +291,7 @@ def gemm(
         block_k=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        planes=planes,
     )
 
 
@@ -234,6 +306,7 @@ def int4_linear(
     weight_zero_point: torch.Tensor,
     bias: torch.Tensor | None,
     group_size: int,
+    prepared: Any = None,
 ) -> torch.Tensor:
     """The op table's `int4_linear` (omnirun.layers.native_ops.int4_linear's contract) in Triton alone."""
     rows = x.reshape(-1, x.shape[-1])
