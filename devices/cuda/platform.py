@@ -113,13 +113,10 @@ class CudaPlatform(Platform):
             return {}
         from omnirun.devices.cuda.argmax import TritonArgmax  # imports triton
         from omnirun.devices.cuda.gemv import skinny_linear_ops
-        from omnirun.kernels.triton.int4_linear import int4_linear
         from omnirun.kernels.triton.ops import triton_fused_ops
 
         pdl = self.uses_pdl()
-        # W4A16 (AWQ, GPTQ): the portable Triton kernel, on every sm that runs Triton (integer unpacking, bf16/fp16
-        # dots).
-        own = {**skinny_linear_ops(pdl=pdl), "argmax": TritonArgmax(pdl=pdl), "int4_linear": int4_linear}
+        own = {**skinny_linear_ops(pdl=pdl), "argmax": TritonArgmax(pdl=pdl)}
         if self.capabilities.fp8:  # fp8 tensor cores and row-wise _scaled_mm: sm89 and later
             from omnirun.devices.cuda.fp8_linear import fp8_linear
 
