@@ -60,7 +60,7 @@ from omnirun.memory import (
 )
 from omnirun.memory.sizing import DEFAULT_RUNNING_REQUESTS
 from omnirun.models.architecture import decoder_shape
-from omnirun.models.decoder import DecoderForCausalLM
+from omnirun.models.decoder import KV_SCALES, DecoderForCausalLM
 from omnirun.models.tp_layout import tp_layout
 from omnirun.platform import Platform
 from omnirun.quantization import KeptFormat, dequantized, quantized_format
@@ -263,18 +263,21 @@ class ModelRunner:
         # From the agreed plan: every rank of a tensor-parallel group has the same pool, so the same limit.
         self.max_running_requests = plan.max_running_requests
         page_size = plan.page_size
+        cache = PagedKVCache(
+            shape.num_layers,
+            (plan.num_pages + 1) * page_size,  # + the padding page 0
+            self.layout.num_kv_heads,
+            shape.head_dim,
+            self.kv_cache_dtype,
+            self.device,
+            page_size=page_size,
+        )
+        if cache.quantized:
+            cache.set_scales(*self.model.kv_scales())
         return KVMemory(
             PageAllocator(plan.num_pages, page_size),
             ReqToTokenPool(plan.max_running_requests, self.context_length, self.device),
-            PagedKVCache(
-                shape.num_layers,
-                (plan.num_pages + 1) * page_size,  # + the padding page 0
-                self.layout.num_kv_heads,
-                shape.head_dim,
-                self.kv_cache_dtype,
-                self.device,
-                page_size=page_size,
-            ),
+            cache,
             page_size,
         )
 
@@ -502,7 +505,7 @@ class ModelRunner:
                 {name: spec.shape for name, spec in specs.items()},
                 complete=True,
                 dtypes={name: spec.dtype for name, spec in specs.items()},
-            )
+            ) or self._kv_scales_fixed(specs)
         except ModelLoadError as exc:
             problem = str(exc)
         refuse_unless_agreed(self.tp.comm, problem)
@@ -526,7 +529,7 @@ class ModelRunner:
             {name: tuple(t.shape) for name, t in named_tensors},
             complete=False,
             dtypes={name: t.dtype for name, t in named_tensors},
-        )
+        ) or self._kv_scales_fixed(dict(named_tensors))
         refuse_unless_agreed(self.tp.comm, problem)
         with torch.no_grad():
             try:
@@ -534,6 +537,17 @@ class ModelRunner:
             finally:
                 self.model.prepare_weights()
         self.platform.synchronize()
+
+    def _kv_scales_fixed(self, names: Iterable[str]) -> str | None:
+        """Why an update must not carry KV-cache scales: an fp8 cache stores with them from start-up on (tokens
+        already cached, and captured graphs, hold the old ones)."""
+        scales = sorted(name for name in names if name.endswith(tuple(f".{s}" for s in KV_SCALES)))
+        if not scales or not self.kv.kv_cache.quantized:
+            return None
+        return (
+            f"{scales[0]} sets the fp8 KV cache's scale, fixed at start-up: leave the k_scale/v_scale tensors out of "
+            "the update, or start a new LLM on the new checkpoint"
+        )
 
     @_on_every_rank
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
@@ -595,7 +609,7 @@ class ModelRunner:
         return {
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
+            "kv_cache_dtype": self._kv_cache_format(),
             "kv_tokens": self.kv.total_tokens,
             "page_size": self.kv.page_size,
             "context_length": self.context_length,
@@ -606,6 +620,16 @@ class ModelRunner:
             "weights": self.weights_format(),
             "experts": self.experts_format(),
         }
+
+    def _kv_cache_format(self) -> str:
+        """The KV cache's storage dtype, and for fp8 whether it stores with the checkpoint's per-layer scales."""
+        cache = self.kv.kv_cache
+        dtype = str(cache.dtype).removeprefix("torch.")
+        if not cache.quantized:
+            return dtype
+        if any(s != 1.0 for s in (*cache.k_scales, *cache.v_scales)):
+            return f"{dtype} (k/v scales from the checkpoint)"
+        return f"{dtype} (scale 1: the checkpoint has no k/v scales)"
 
     def experts_format(self) -> str | None:
         """A mixture of experts' routing and how this rank holds the experts (None: a dense model)."""

@@ -45,6 +45,8 @@ def target_for(
         raise DtypeMismatch(f"tensor {name!r}{stored} {exc}", hint=exc.hint) from None
     if target is None:
         return None
+    if target.full_shape == () and tuple(shape) == (1,):  # a per-tensor scale saved as [1] (vLLM reads both)
+        target = ShardTarget(target.view.view(1), (1,))
     if tuple(target.full_shape) != tuple(shape):
         raise ValueError(f"tensor {name!r} has shape {list(shape)}, the model expects {list(target.full_shape)}")
     if dtype is not None and not _castable(dtype, target.view.dtype):

@@ -130,6 +130,10 @@ class IpexAttention(AttentionBackend):
         return k_cache, v_cache
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> None:
+        if self.context.kv.kv_cache.scales(layer.layer_id) != (1.0, 1.0):
+            # A scaled fp8 cache: IPEX's XPU cache ops leave the scales unimplemented (CacheOps.cpp), so torch's
+            # store, into the same buffers (IPEX's views of them above).
+            return super().store_kv(k, v, layer, batch)
         shape = (-1, layer.num_kv_heads, layer.head_dim)
         k_cache, v_cache = self._caches(layer)
         args = (k.view(shape), v.view(shape), k_cache, v_cache, batch.out_cache_loc, self._kv_cache_dtype, 1.0, 1.0)

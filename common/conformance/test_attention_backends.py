@@ -1,5 +1,6 @@
 """Every attention backend the device offers equals torch_native (the reference) on random paged KV: page sizes 1
-and 16, GQA, a sliding window, every KV dtype the device stores, prefill with a cached prefix, and decode."""
+and 16, GQA, a sliding window, every KV dtype the device stores, prefill with a cached prefix, and decode; and an
+fp8 cache with per-layer k/v scales reads, through every backend, as the values it stands for."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from omnirun.attention.backend import AttentionContext, AttentionLayerSpec
 from omnirun.attention.torch_native import TorchNativeAttention
 from omnirun.batch import build_batch
 from omnirun.errors import ConfigError
+from omnirun.layers.attention import PagedAttention
 from omnirun.memory import KVMemory, PageAllocator, PagedKVCache, ReqToTokenPool
 from omnirun.testing import fill_prefixes
 
@@ -87,3 +89,73 @@ def test_every_backend_equals_torch_native(platform, shape):
                 torch.testing.assert_close(
                     got.float(), reference.float(), atol=tolerance, rtol=tolerance, msg=f"{name} {mode} {kv_dtype}"
                 )
+
+
+# Neither power of two: a store that skips the division, or a read that skips a scale, is off by a visible factor.
+KV_SCALES = (0.75, 1.6)
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_a_scaled_fp8_cache_reads_as_the_values_it_stands_for(platform, mode):
+    """An fp8 cache with a layer's k_scale and v_scale, read and written by each backend (torch_native included)
+    through the attention layer, gives what torch_native gives on a cache in the model dtype holding the
+    dequantized values (stored x scale): the cached prefix, and the step's own K/V stored as fp8(k / k_scale)."""
+    caps = platform.capabilities
+    fp8 = [d for d in (caps.fp8_e4m3_dtype, caps.fp8_e5m2_dtype) if d is not None]
+    if not fp8:
+        pytest.skip(f"{platform.name} stores no fp8 KV cache")
+    model_dtype = caps.model_dtypes[0]
+    tolerance = 1e-4 if model_dtype == torch.float32 else 3e-2
+    shape = SHAPES[1]
+    new_lens = [5, 1, 17, 9] if mode == "extend" else [1, 1, 1, 1]
+    gen = torch.Generator().manual_seed(7)
+    # float32 on the host: the reference's stored values are computed from them
+    q, k, v = (torch.randn(sum(new_lens), n * HEAD_DIM, generator=gen) for n in (shape[1], shape[2], shape[2]))
+    for kv_dtype in fp8:
+        # The reference: a model-dtype cache holding the dequantized prefix, and the new tokens as fp8 rounds them.
+        scaled = _scaled_cache(platform, shape, model_dtype, kv_dtype)[0]
+        kv, context, layer = _setup(platform, *shape, model_dtype, model_dtype, seed=3)
+        for plain, stored, scale in zip(
+            kv.kv_cache.k_buffers + kv.kv_cache.v_buffers,
+            scaled.kv_cache.k_buffers + scaled.kv_cache.v_buffers,
+            (KV_SCALES[0], KV_SCALES[1]),
+            strict=True,
+        ):
+            plain.copy_(stored.float() * scale)
+        k_ref, v_ref = (  # the step's K/V reach the cache in the model dtype, then are divided in float32
+            (t.to(model_dtype).float() / s).to(kv_dtype).float() * s for t, s in ((k, KV_SCALES[0]), (v, KV_SCALES[1]))
+        )
+        expected = _layer_forward(TorchNativeAttention, kv, context, layer, new_lens, (q, k_ref, v_ref))
+        for name in [TorchNativeAttention.name, *platform.attention_backends()]:
+            build = TorchNativeAttention if name == TorchNativeAttention.name else platform.attention_offer(name).build
+            try:
+                got = _layer_forward(build, *_scaled_cache(platform, shape, model_dtype, kv_dtype), new_lens, (q, k, v))
+            except ConfigError as exc:
+                if "--kv-cache-dtype" not in str(exc):  # a backend may refuse an fp8 flavour, saying so
+                    raise
+                continue
+            torch.testing.assert_close(
+                got.float(),
+                expected.float(),
+                atol=tolerance,
+                rtol=tolerance,
+                msg=lambda m, what=f"{name} {mode} {kv_dtype}": f"{what}: {m}",
+            )
+
+
+def _scaled_cache(platform, shape, model_dtype, kv_dtype):
+    """_setup's random cache (the same contents at every call) in `kv_dtype`, with KV_SCALES."""
+    kv, context, layer = _setup(platform, *shape, model_dtype, kv_dtype, seed=3)
+    kv.kv_cache.set_scales([KV_SCALES[0]], [KV_SCALES[1]])
+    return kv, context, layer
+
+
+def _layer_forward(make_backend, kv, context, layer, new_lens, qkv):
+    """One forward through the attention layer (which applies the cache's scales) over requests holding
+    PREFIX_LENS cached tokens."""
+    rows = fill_prefixes(kv, PREFIX_LENS)
+    batch = build_batch(kv, rows, PREFIX_LENS, [[1] * n for n in new_lens], context.device)
+    backend = make_backend(context)
+    backend.init_forward_metadata(batch)
+    q, k, v = (t.to(context.device, context.model_dtype) for t in qkv)
+    return PagedAttention(layer)(q, k, v, batch, backend)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -23,7 +25,12 @@ class PagedAttention(nn.Module):
         backend: AttentionBackend,
         rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        return backend.forward(q, k, v, self.spec, batch, rotary)
+        # An fp8 cache holds K / k_scale and V / v_scale: softmax(s q.K^T) V = softmax(s k_scale q.K'^T) V' v_scale
+        # for the stored K', V', so every backend applies the scales through the softmax scale it already takes.
+        k_scale, v_scale = backend.context.kv.kv_cache.scales(self.spec.layer_id)
+        spec = self.spec if k_scale == 1.0 else dataclasses.replace(self.spec, scaling=self.spec.scaling * k_scale)
+        out = backend.forward(q, k, v, spec, batch, rotary)
+        return out if v_scale == 1.0 else out * v_scale
 
     def extra_repr(self) -> str:
         s = self.spec

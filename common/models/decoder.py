@@ -31,6 +31,8 @@ from omnirun.layers.sharding import ShardTarget, Slice
 from omnirun.models.architecture import DecoderShape
 from omnirun.models.tp_layout import TPLayout, tp_layout
 
+KV_SCALES = ("k_scale", "v_scale")
+
 
 class SelfAttention(nn.Module):
     def __init__(
@@ -74,6 +76,11 @@ class SelfAttention(nn.Module):
                 sliding_window=shape.sliding_windows[layer_id],
             )
         )
+        # An fp8 KV cache's scales for this layer, where the checkpoint has them (`self_attn.k_scale` and `.v_scale`:
+        # compressed-tensors' kv_cache_scheme, vLLM's fp8 checkpoints); buffers, not parameters, since most
+        # checkpoints have none (1.0). The runner hands them to the KV cache, which applies them only when fp8.
+        for name in KV_SCALES:
+            self.register_buffer(name, torch.ones((), dtype=torch.float32), persistent=False)
 
     def forward(
         self, rotary: Rotary, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend
@@ -304,6 +311,11 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def kv_scales(self) -> tuple[list[float], list[float]]:
+        """Each layer's k_scale and v_scale (1.0 unless the checkpoint had them). Syncs the host."""
+        layers = [layer.self_attn for layer in self.model.layers]
+        return [float(a.k_scale) for a in layers], [float(a.v_scale) for a in layers]
+
     def prepare_weights(self) -> None:
         """Give the platform its look at every matmul weight (after loading, and after each weight update)."""
         for module in self.modules():
@@ -343,6 +355,8 @@ class DecoderForCausalLM(nn.Module):
             module = self.get_submodule(module_path)
         except AttributeError as exc:
             raise KeyError(name) from exc
+        if isinstance(module, SelfAttention) and param_name in KV_SCALES:  # one per layer, whole on every rank
+            return ShardTarget(module.get_buffer(param_name), ())
         if isinstance(module, Linear):  # o_proj, down_proj: split, and perhaps kept quantized
             try:
                 return module.checkpoint_slice(param_name)

@@ -4,7 +4,7 @@ the "pack-quantized" format with 4- or 8-bit int weights per group or channel an
 W8A16: omnirun.quantization.pack_quantized). The config's `config_groups` say, per group of target layers, how its
 `weights` and `input_activations` are quantized (compressed-tensors' QuantizationArgs: num_bits, type, strategy,
 dynamic, block_structure); layers in `ignore` are saved unquantized and load as they are. A `kv_cache_scheme` adds
-`k_scale`/`v_scale` tensors."""
+`k_scale`/`v_scale` tensors: the attention layers load them for an fp8 KV cache (omnirun.models.decoder)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,19 @@ def from_config(quantization: dict[str, Any]) -> Fp8Format | PackedIntFormat:
             f"compressed-tensors format {', '.join(sorted(map(str, formats)))} is not supported yet: omnirun loads "
             f"{', '.join(FORMATS)} (fp8 weights; int4/int8 packed weights; int8 weights), one per checkpoint"
         )
+    _check_kv_cache_scheme(quantization.get("kv_cache_scheme"))
     if formats == {"float-quantized"}:
         return _float(quantization, groups)
     return _integer(groups, packed=formats == {"pack-quantized"})
+
+
+def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
+    """The KV-cache scales the attention layers load: one k_scale and one v_scale per layer (strategy "tensor")."""
+    if scheme is not None and scheme.get("strategy", "tensor") != "tensor":
+        raise ModelLoadError(
+            f"compressed-tensors kv_cache_scheme strategy {scheme.get('strategy')!r} is not supported: omnirun reads "
+            "per-tensor k_scale/v_scale (strategy 'tensor'); re-quantize the KV cache scales per tensor"
+        )
 
 
 def _integer(groups: dict[str, Any], packed: bool) -> PackedIntFormat:
@@ -75,7 +85,6 @@ def _float(quantization: dict[str, Any], groups: dict[str, Any]) -> Fp8Format:
         block,
         "weight_scale",
         static_activations=static,
-        kv_scales=quantization.get("kv_cache_scheme") is not None,
         source="compressed-tensors",
         ignored=tuple(quantization.get("ignore") or ()),
     )

@@ -29,7 +29,7 @@ class QuantizedFormat(Protocol):
         ...
 
     def dropped(self, name: str) -> bool:
-        """A tensor of this format that is read and dropped (activation or KV-cache scales: nothing uses them yet)."""
+        """A tensor of this format that is read and dropped (static activation scales: activations stay unquantized)."""
         ...
 
     def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,6 @@ class Fp8Format:
     block: tuple[int, int] | None  # (rows, columns) of a block, for strategy "block"
     scale_suffix: str  # the scale tensor beside `<layer>.weight`: "weight_scale_inv" or "weight_scale"
     static_activations: bool  # an `input_scale` per layer, read and dropped (activations stay unquantized)
-    kv_scales: bool = False  # `k_scale`/`v_scale` per attention layer, read and dropped (no fp8 KV cache yet)
     source: str = "fp8"  # the quant_method, for messages
     ignored: tuple[str, ...] = ()  # modules the checkpoint holds unquantized (see `quantizes`)
 
@@ -65,9 +64,7 @@ class Fp8Format:
         return (f"{layer}.weight", f"{layer}.{self.scale_suffix}")
 
     def dropped(self, name: str) -> bool:
-        return (self.static_activations and name.endswith(".input_scale")) or (
-            self.kv_scales and name.endswith((".k_scale", ".v_scale"))
-        )
+        return self.static_activations and name.endswith(".input_scale")
 
     def quantizes(self, module: str) -> bool:
         """Whether the checkpoint holds `module` (an HF module name) quantized: not in the config's ignore list

@@ -106,7 +106,8 @@ class AiterAttention(AttentionBackend):
         require_half_precision(context, self.name)
         require_grouped_heads(context)
         self._kv_cache_dtype = kv_cache_dtype_arg(context.kv.kv_cache.dtype, context.model_dtype, aiter.dtypes.fp8)
-        # omnirun stores fp8 K/V with scale 1 (PagedKVCache.set_kv): the kernels' per-tensor scales are ones.
+        # The cache stores fp8 K/V through PagedKVCache.set_kv (divided by a checkpoint's scales, where it has them)
+        # and the attention layer folds those scales into the softmax scale and the output: the kernels' are ones.
         self._kv_scale = torch.ones(1, dtype=torch.float32, device=context.device)
         self._partitions = -(-context.max_context_len // PARTITION_SIZE)
         self._decode: _DecodeStep | None = None

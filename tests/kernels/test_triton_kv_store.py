@@ -270,3 +270,32 @@ def test_fuses_rotary_only_what_both_kernels_take():
         assert not fuses_rotary(cache.to(torch.float8_e4m3fnuz), positions, q, k, v, table, 64)
     with pytest.raises(ValueError, match="fuses_rotary"):
         rotate_and_store_kv(cache, cache.clone(), positions, positions[None], q, k, v, table, 64)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=_name)
+@pytest.mark.parametrize("scales", [(0.37, 2.5), (1.0 / 3, 1.0)], ids=["0.37-2.5", "third-1"])
+def test_scaled_fp8_stores_the_bits_set_kv_stores(cache_dtype, scales):
+    """An fp8 cache with a layer's k_scale and v_scale (not powers of two, so the division rounds): both kernels
+    store the bits of `set_kv`'s float32 k / k_scale and v / v_scale."""
+    kv_heads, head_dim, n = 2, 64, 7
+    q, k, v, positions, table = _rope_inputs(n, 4, kv_heads, head_dim, torch.bfloat16, seed=11)
+    k, v = k * 0.3, v * 0.3  # / 0.37 stays within e4m3fn's range, rotated too
+    want_q, want_k = native_ops.rotary_embedding(positions, q.clone(), k.clone(), table, head_dim)
+    slots = torch.randperm(3 * n, generator=torch.Generator().manual_seed(3))[:n].to(DEVICE)
+    cache_shape = (n, kv_heads, head_dim)
+    for fused in (False, True):
+        ref, mine = _caches(3 * n, kv_heads, head_dim, cache_dtype)
+        for cache in (ref, mine):
+            cache.set_scales([scales[0]], [scales[1]])
+        if fused:
+            ref.set_kv(0, slots, want_k.reshape(cache_shape), v.reshape(cache_shape))
+            k_cache, v_cache = mine.get_kv(0)
+            rotate_and_store_kv(k_cache, v_cache, slots, positions, q.clone(), k, v, table, head_dim, scales=scales)
+        else:
+            ref.set_kv(0, slots, k.reshape(cache_shape), v.reshape(cache_shape))
+            store_kv(mine.k_buffers[0], mine.v_buffers[0], slots, k, v, scales=scales)
+        _assert_same_bits(mine.k_buffers[0], ref.k_buffers[0])
+        _assert_same_bits(mine.v_buffers[0], ref.v_buffers[0])
+        expected = (k.reshape(cache_shape).float() / scales[0]).to(cache_dtype).view(torch.uint8)
+        if not fused:  # and what set_kv stores is the float32 quotient, cast
+            assert torch.equal(ref.k_buffers[0][slots].view(torch.uint8), expected)

@@ -160,6 +160,7 @@ class TritonAttention(AttentionBackend):
             v,
             rotary.cos_sin_cache,
             rotary.head_dim,
+            scales=self.context.kv.kv_cache.scales(layer.layer_id),
             pdl=self.pdl,
         )
         if batch.mode is ForwardMode.DECODE:
@@ -171,7 +172,8 @@ class TritonAttention(AttentionBackend):
         if not triton_kv_store.supports(k_cache.dtype, k.dtype):  # e.g. fnuz fp8: torch's cast
             return super().store_kv(k, v, layer, batch)
         # One launch for K and V, reading strided rows of the qkv output in place.
-        triton_kv_store.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v, pdl=self.pdl)
+        scales = self.context.kv.kv_cache.scales(layer.layer_id)
+        triton_kv_store.store_kv(k_cache, v_cache, batch.out_cache_loc, k, v, scales=scales, pdl=self.pdl)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch

@@ -5,7 +5,8 @@ the fused qkv output); this kernel reads both rows of a token once and writes th
 `rotate_and_store_kv` also applies the rotary embedding on the way (q in place, k into the cache): one launch
 where rotary + store took two.
 
-Casts give the bits torch's `.to(cache dtype)` gives. fp8 (e4m3fn, e5m2; scale 1) is rounded in software, the way
+Casts give the bits torch's `.to(cache dtype)` gives. fp8 (e4m3fn, e5m2) stores value / the layer's scale (the
+division rounded to nearest, as torch's float32 division in `PagedKVCache.set_kv`), rounded in software the way
 torch 2.13's conversion does it: round to nearest even; e4m3fn saturates finite overflow and inf to +-448 (torch
 2.11 still made NaN of them), e5m2 overflows to +-inf; NaN stays NaN. Triton's own cast agrees in range (every bf16,
 fp16 value checked on an H200) but saturates e5m2 at 57344, and the interpreter's does not round to nearest even;
@@ -75,11 +76,12 @@ def _fp8_bits(x, E4M3: tl.constexpr):
 
 
 @triton.jit
-def _cast(x, dtype: tl.constexpr, KIND: tl.constexpr):
+def _cast(x, dtype: tl.constexpr, KIND: tl.constexpr, scale):
+    """`x` as the cache stores it: fp8 bits of x / scale, or x cast to `dtype` (unscaled caches)."""
     if KIND == 1:  # _E4M3_BITS
-        y = _fp8_bits(_f32(x), True)
+        y = _fp8_bits(tl.math.div_rn(_f32(x), scale), True)
     elif KIND == 2:  # _E5M2_BITS
-        y = _fp8_bits(_f32(x), False)
+        y = _fp8_bits(tl.math.div_rn(_f32(x), scale), False)
     elif x.dtype == dtype:
         y = x
     else:
@@ -97,6 +99,8 @@ def _store_kv_kernel(
     k_stride,
     v_stride,
     width,
+    k_scale,
+    v_scale,
     KIND: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -109,9 +113,9 @@ def _store_kv_kernel(
     dst = tl.load(slots_ptr + token).to(tl.int64) * width + offs
     out_ty = k_cache_ptr.dtype.element_ty
     k = tl.load(k_ptr + token * k_stride + offs, mask=mask)
-    tl.store(k_cache_ptr + dst, _cast(k, out_ty, KIND), mask=mask)
+    tl.store(k_cache_ptr + dst, _cast(k, out_ty, KIND, k_scale), mask=mask)
     v = tl.load(v_ptr + token * v_stride + offs, mask=mask)
-    tl.store(v_cache_ptr + dst, _cast(v, out_ty, KIND), mask=mask)
+    tl.store(v_cache_ptr + dst, _cast(v, out_ty, KIND, v_scale), mask=mask)
 
 
 def supports(cache_dtype: torch.dtype, input_dtype: torch.dtype) -> bool:
@@ -163,11 +167,12 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    scales: tuple[float, float] = (1.0, 1.0),
     pdl: bool = False,
 ) -> None:
     """Write k, v ([n, kv_heads*head_dim] or [n, kv_heads, head_dim]; rows may be strided) into rows `slots`
     ([n], any integer dtype, unique unless the rows written are equal) of the caches ([num_slots, kv_heads,
-    head_dim], contiguous), cast to the cache dtype."""
+    head_dim], contiguous), cast to the cache dtype (fp8: k / scales[0] and v / scales[1])."""
     _check_store(k_cache, v_cache, slots, k, v)
     n, width = k.shape[0], k_cache.shape[1:].numel()
     if n == 0:
@@ -184,6 +189,7 @@ def store_kv(
         k.stride(0),
         v.stride(0),
         width,
+        *scales,
         KIND=kind,
         BLOCK=block,
         USE_PDL=pdl,
@@ -208,6 +214,8 @@ def _rotate_and_store_kv_kernel(
     v_stride,
     q_heads,
     kv_heads,
+    k_scale,
+    v_scale,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
@@ -229,11 +237,11 @@ def _rotate_and_store_kv_kernel(
     )
     dst = slot * (kv_heads * 2 * HALF) + in_row
     out_ty = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + dst, _cast(k1, out_ty, KIND), mask=mask)
-    tl.store(k_cache_ptr + dst + HALF, _cast(k2, out_ty, KIND), mask=mask)
+    tl.store(k_cache_ptr + dst, _cast(k1, out_ty, KIND, k_scale), mask=mask)
+    tl.store(k_cache_ptr + dst + HALF, _cast(k2, out_ty, KIND, k_scale), mask=mask)
     v_row = v_ptr + token * v_stride + in_row
-    tl.store(v_cache_ptr + dst, _cast(tl.load(v_row, mask=mask), out_ty, KIND), mask=mask)
-    tl.store(v_cache_ptr + dst + HALF, _cast(tl.load(v_row + HALF, mask=mask), out_ty, KIND), mask=mask)
+    tl.store(v_cache_ptr + dst, _cast(tl.load(v_row, mask=mask), out_ty, KIND, v_scale), mask=mask)
+    tl.store(v_cache_ptr + dst + HALF, _cast(tl.load(v_row + HALF, mask=mask), out_ty, KIND, v_scale), mask=mask)
 
 
 def fuses_rotary(
@@ -271,12 +279,13 @@ def rotate_and_store_kv(
     cos_sin_cache: torch.Tensor,
     head_dim: int,
     *,
+    scales: tuple[float, float] = (1.0, 1.0),
     pdl: bool = False,
 ) -> None:
-    """`ops.rotary_embedding(positions, q, k, ...)` then `store_kv(k_cache, v_cache, slots, k, v)` in one launch,
-    with the same bits, except that k itself is left unrotated (only its cached copy is): q [n, heads*head_dim]
-    is rotated in place, k and v ([n, kv_heads*head_dim], rows may be strided views of the qkv output) land in
-    rows `slots` of the caches. Callers check `fuses_rotary` first."""
+    """`ops.rotary_embedding(positions, q, k, ...)` then `store_kv(k_cache, v_cache, slots, k, v, scales=scales)` in
+    one launch, with the same bits, except that k itself is left unrotated (only its cached copy is): q [n,
+    heads*head_dim] is rotated in place, k and v ([n, kv_heads*head_dim], rows may be strided views of the qkv
+    output) land in rows `slots` of the caches. Callers check `fuses_rotary` first."""
     _check_store(k_cache, v_cache, slots, k, v)
     if not fuses_rotary(k_cache, positions, q, k, v, cos_sin_cache, head_dim):
         raise ValueError("rotate_and_store_kv: inputs the kernel does not take (check fuses_rotary first)")
@@ -301,6 +310,7 @@ def rotate_and_store_kv(
         v.stride(0),
         q_heads,
         kv_heads,
+        *scales,
         HALF=half,
         BLOCK_HALF=block_half,
         BLOCK_HEADS=block_heads,
