@@ -38,3 +38,28 @@ def test_a_weight_update_of_a_kept_layer_is_prepared_again_before_the_next_step(
 def test_a_platform_offering_a_prepare_hook_without_its_op_is_told_why():
     with pytest.raises(ValueError, match=r"^a platform offering `prepare_int4_linear` must offer `int4_linear` too"):
         resolve_ops({"prepare_int4_linear": native_ops.prepare_int4_linear})
+
+
+def test_a_layer_the_platform_s_op_does_not_take_is_dequantized_at_load(tmp_path):
+    """`int4_linear_takes` declines the down projections (K = the MLP's width): they load dequantized, the rest stay
+    packed, and the logits are the dequantized model's."""
+    write_int4_checkpoint(tmp_path, "llama", "awq", 16)
+    base = keeping_int4(CpuPlatform())
+    width = 64  # the tiny models' hidden size: every projection but down_proj reads it
+
+    class DeclinesWideInputs(type(base)):
+        def device_fused_ops(self):
+            return {**super().device_fused_ops(), "int4_linear_takes": lambda n, k, group, dtype: k == width}
+
+    kept, plain = make_runner(DeclinesWideInputs(), tmp_path), make_runner(CpuPlatform(), tmp_path)
+    try:
+        layers = kept.model.model.layers
+        assert all(
+            layer.mlp.down_proj.int4 is None and layer.mlp.down_proj.weight.dtype == torch.float32 for layer in layers
+        )
+        assert all(layer.self_attn.qkv_proj.int4 is not None for layer in layers)
+        assert "6 linear layers kept in int4" in kept.describe()["weights"]
+        assert torch.equal(prefill_logits(kept), prefill_logits(plain))
+    finally:
+        kept.close()
+        plain.close()

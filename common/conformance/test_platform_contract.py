@@ -256,14 +256,17 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
         # Decode-sized rows, 128 x 128 blocks with partial last ones; a larger batch is the kernels' own test.
         weight = (torch.randn(200, 384, generator=gen) * 8).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
         scale = (torch.rand(2, 3, generator=gen) * 1e-2 + 1e-3).to(device)
-        return rand(5, 384), weight, scale, rand(200), (128, 128)
+        prepare = fused.get("prepare_fp8_linear", native_ops.prepare_fp8_linear)
+        return rand(5, 384), weight, scale, rand(200), (128, 128), prepare(weight, scale, (128, 128))
     if name == "int4_linear":
         # Decode-sized rows, groups of 32 (several a kernel's K step) with a partial last one; the packed words hold
         # random 4-bit values, zero points the whole 0..15 range. Larger batches are the kernels' own test.
         packed = torch.randint(-(2**31), 2**31, (200, 37), generator=gen, dtype=torch.int64).to(torch.int32)
         scale = torch.rand(200, 10, generator=gen) * 0.02 + 0.002
         zero = torch.randint(0, 16, (200, 10), generator=gen).to(torch.uint8)
-        return rand(5, 296), packed.to(device), scale.to(device), zero.to(device), rand(200), 32
+        packed, scale, zero = packed.to(device), scale.to(device), zero.to(device)
+        prepare = fused.get("prepare_int4_linear", native_ops.prepare_int4_linear)
+        return rand(5, 296), packed, scale, zero, rand(200), 32, prepare(packed, scale, zero, 32)
     if name == "rotary_embedding":
         table = torch.randn(64, 32, generator=gen).to(device)  # float32 [positions, head_dim]: cos | sin
         positions = torch.tensor([0, 3, 9, 17, 63], device=device)
@@ -279,8 +282,8 @@ def test_fused_ops_match_the_torch_native_references(platform):
     for dtype in platform.capabilities.model_dtypes:
         tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
         for name, op in fused.items():
-            if name == "prepare_linear":
-                continue  # checked through linear, which takes what it prepared
+            if name.startswith("prepare_") or name.endswith("_takes"):
+                continue  # checked through its op (which takes what it prepared) and the models that keep weights
             args = _op_inputs(name, dtype, device, fused)
             reference_args = args[:-1] + (None,) if name == "linear" else args
             # The reference first, on copies: a fused op may work in place (triton's add_rms_norm writes its inputs).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,9 +87,12 @@ class Linear(nn.Module):
         self.in_features, self.out_features = self.in_slice.size, offset
         # Kept quantized where the split allows it, else dequantized at load.
         fp8 = quantized if isinstance(quantized, Fp8Weights) else None
-        self.fp8 = fp8 if fp8 is None or self._holds_whole_blocks(fp8) else None
+        fp8_taken = fp8 is not None and self._taken("fp8_linear", ops.fp8_linear_takes, fp8.block, dtype)
+        self.fp8 = fp8 if fp8_taken and self._holds_whole_blocks(fp8) else None
         int4 = quantized if isinstance(quantized, Int4Weights) else None
-        self.int4 = int4 if int4 is None or self._holds_whole_groups(int4) else None
+        group = None if int4 is None else self.in_slice.full if int4.group_size == -1 else int4.group_size
+        int4_taken = int4 is not None and self._taken("int4_linear", ops.int4_linear_takes, group, dtype)
+        self.int4 = int4 if int4_taken and self._holds_whole_groups(int4) else None
         self.bias = nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False) if bias else None
         if self.int4 is not None:
             groups = -(-self.in_features // self.group_size)
@@ -105,6 +109,20 @@ class Linear(nn.Module):
     def group_size(self) -> int:
         """An int4 layer's inputs per scale (a group over the whole input counted as the checkpoint's whole K)."""
         return self.in_slice.full if self.int4.group_size == -1 else self.int4.group_size
+
+    def _taken(self, op: str, takes: Callable[..., bool], layout: Any, dtype: torch.dtype) -> bool:
+        """Whether the platform's quantized op computes this layer itself (`Ops.fp8_linear_takes`)."""
+        if takes(self.out_features, self.in_features, layout, dtype):
+            return True
+        logger.info(
+            "%s does not take a %d x %d layer (%s, %s) on this device: it is dequantized at load",
+            op,
+            self.out_features,
+            self.in_features,
+            layout,
+            str(dtype).removeprefix("torch."),
+        )
+        return False
 
     def _holds_whole_groups(self, int4: Int4Weights) -> bool:
         """Whether this rank's inputs are whole groups of the checkpoint's scales (the last one may be partial) and

@@ -111,6 +111,11 @@ def prepare_linear(weight: torch.Tensor) -> Any:
     return None
 
 
+def takes_every_layer(out_features: int, in_features: int, layout: Any, dtype: torch.dtype) -> bool:
+    """`fp8_linear_takes` / `int4_linear_takes` of a platform whose kernel serves every kept layer."""
+    return True
+
+
 def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None) -> Any:
     """A device-preferred form of a kept fp8 weight and its scales (a vendor's layout or fp8 flavour), made once
     after loading and after each weight update; None: `fp8_linear` reads them as loaded. The loaded tensors stay

@@ -43,6 +43,10 @@ class Ops:
     # The platform's form of a kept fp8 weight: (weight, weight_scale, block) -> Any, passed to `fp8_linear` as
     # `prepared` (None: it reads the loaded tensors).
     prepare_fp8_linear: Callable[..., Any] = native_ops.prepare_fp8_linear
+    # Which fp8 layers the platform's `fp8_linear` computes itself: (N, K, block, model dtype) -> bool, asked as each
+    # layer is built. A layer it declines is dequantized at load (its op would run the reference, which dequantizes
+    # the weight at every call).
+    fp8_linear_takes: Callable[..., bool] = native_ops.takes_every_layer
     # A linear layer that kept its checkpoint's 4-bit weight (AWQ, GPTQ; W4A16): (x [M, K], weight_packed int32
     # [N, K / 8] (8 inputs a word, lowest bits first), weight_scale float32 [N, groups], weight_zero_point uint8
     # [N, groups], bias or None, group_size) -> [M, N] in x's dtype. Offered only where a kernel runs it: with the
@@ -51,6 +55,8 @@ class Ops:
     # The platform's form of a kept 4-bit weight: (weight_packed, weight_scale, weight_zero_point, group_size) ->
     # Any, passed to `int4_linear` as `prepared`.
     prepare_int4_linear: Callable[..., Any] = native_ops.prepare_int4_linear
+    # Which 4-bit layers the platform's `int4_linear` computes itself: (N, K, group_size, model dtype) -> bool.
+    int4_linear_takes: Callable[..., bool] = native_ops.takes_every_layer
     # Deterministic mode's linear: each row's result independent of the row count (native_ops has the reference).
     batch_invariant_linear: Callable[..., Any] = native_ops.batch_invariant_linear
 
@@ -88,6 +94,7 @@ def resolve_ops(fused: Mapping[str, Callable[..., Any]]) -> Ops:
     if ("linear" in fused) != ("prepare_linear" in fused):
         raise ValueError("a platform offering `linear` must offer `prepare_linear` too (they agree on a format)")
     for op in ("fp8_linear", "int4_linear"):
-        if f"prepare_{op}" in fused and op not in fused:
-            raise ValueError(f"a platform offering `prepare_{op}` must offer `{op}` too (it reads what that makes)")
+        for hook in (f"prepare_{op}", f"{op}_takes"):
+            if hook in fused and op not in fused:
+                raise ValueError(f"a platform offering `{hook}` must offer `{op}` too (it is about that op)")
     return Ops(**dict(fused))

@@ -20,6 +20,11 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0 and weight.stride(1) == 1
 
 
+def takes(out_features: int, in_features: int, block: tuple[int, int] | None, dtype: torch.dtype) -> bool:
+    """`fp8_linear_takes`: bf16/fp16 models with blocks the Triton kernels take (the rest dequantize at load)."""
+    return dtype in (torch.bfloat16, torch.float16) and triton_fp8.fits(block)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

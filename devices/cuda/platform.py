@@ -118,9 +118,10 @@ class CudaPlatform(Platform):
         pdl = self.uses_pdl()
         own = {**skinny_linear_ops(pdl=pdl), "argmax": TritonArgmax(pdl=pdl)}
         if self.capabilities.fp8:  # fp8 tensor cores and row-wise _scaled_mm: sm89 and later
-            from omnirun.devices.cuda.fp8_linear import fp8_linear
+            from omnirun.devices.cuda import fp8_linear
 
-            own["fp8_linear"] = fp8_linear
+            own["fp8_linear"] = fp8_linear.fp8_linear
+            own["fp8_linear_takes"] = fp8_linear.takes
         return {**(triton_fused_ops(pdl=True) if pdl else {}), **own}
 
     def graph_api(self) -> GraphAPI:

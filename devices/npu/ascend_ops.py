@@ -1,5 +1,6 @@
 """torch_npu's fused kernels as omnirun's ops: rms_norm, add_rms_norm, silu_and_mul, rotary_embedding, sample
-(omnirun.devices.npu.ascend_sampling) and fused_moe (omnirun.devices.npu.ascend_moe).
+(omnirun.devices.npu.ascend_sampling) and fused_moe (omnirun.devices.npu.ascend_moe). The quantized linears, which
+also depend on the SoC, are omnirun.devices.npu.ascend_quant's.
 
 Each op calls torch_npu where the documented constraints hold (Ascend/op-plugin:docs/zh/custom_APIs/torch_npu/)
 and falls back to the torch-native reference otherwise. The checks read only shapes and dtypes, so they run inside

@@ -39,6 +39,11 @@ def _build_ascend(context: Any) -> Any:
 
 
 VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+# What the kept int4 layers run (omnirun.devices.npu.ascend_quant): the kernel's limits, said where `omnirun env` shows.
+INT4_NOTE = (
+    "int4 layers run npu_weight_quant_batchmatmul in bf16/fp16 models, for groups of a multiple of 32 inputs or one "
+    "per row; other int4 layers (float32 models, groups of 16) are dequantized at load"
+)
 
 
 class NpuPlatform(Platform):
@@ -124,16 +129,23 @@ class NpuPlatform(Platform):
         if torch_npu is None:
             return {}
         from omnirun.devices.npu.ascend_ops import ascend_fused_ops
+        from omnirun.devices.npu.ascend_quant import ascend_int4_ops
 
-        return ascend_fused_ops(torch_npu)
+        # The int4 kernels depend on the SoC, which only an available device names.
+        soc = self.capabilities.device_name if self.probe().available else ""
+        return {**ascend_fused_ops(torch_npu), **ascend_int4_ops(torch_npu, soc)}
 
     def notes(self) -> tuple[str, ...]:
         if not self.probe().available:
             return ()  # the probe's reason says why
         missing = self._ascend_missing()
         if missing is not None:
-            return (f"no ascend attention and no NPU graphs: {missing}",)
-        return ("ascend attention and NPU graphs for bf16/fp16 models; float32 runs torch_native, eagerly",)
+            notes = [f"no ascend attention and no NPU graphs: {missing}"]
+        else:
+            notes = ["ascend attention and NPU graphs for bf16/fp16 models; float32 runs torch_native, eagerly"]
+        if "int4_linear" in self.device_fused_ops():
+            notes.append(INT4_NOTE)
+        return tuple(notes)
 
     @property
     def device_module(self) -> Any:

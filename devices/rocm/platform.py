@@ -1,7 +1,8 @@
 """The AMD platform: a ROCm build of torch drives the GPU through torch.cuda; RCCL for collectives, HIP graphs.
 
-Where amd-aiter is installed it adds AMD's own parts: the `aiter` attention backend (offered next to triton) and
-aiter's rms norms as fused ops (in place of triton's, which stay the fallback aiter does not cover).
+Where amd-aiter is installed it adds AMD's own parts: the `aiter` attention backend (offered next to triton),
+aiter's rms norms as fused ops (in place of triton's, which stay the fallback aiter does not cover), and on CDNA GPUs
+with fp8 (MI300, MI350) `fp8_linear` on aiter's W8A8 GEMMs, so that fp8 checkpoints keep their fp8 weights.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from omnirun.device_shared.torch_gpu import (
 )
 from omnirun.devices.rocm.gfx_arch import GfxArch, fp8_dtypes, gfx_target, has_bf16
 from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
-from omnirun.kernels import portable_fused_ops
+from omnirun.kernels import offers_triton, portable_fused_ops
 from omnirun.platform import Platform
 
 # The HIP runtime honours all three; the first is the one to set.
@@ -106,6 +107,15 @@ class RocmPlatform(Platform):
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
         if not aiter_installed():
             return {}
-        from omnirun.devices.rocm.aiter_ops import aiter_norm_ops  # imports aiter
+        import aiter
 
-        return aiter_norm_ops(fallback=portable_fused_ops(self.capabilities))
+        from omnirun.devices.rocm.aiter_fp8 import aiter_fp8_ops
+        from omnirun.devices.rocm.aiter_ops import aiter_norm_ops
+
+        caps = self.capabilities
+        ops = aiter_norm_ops(fallback=portable_fused_ops(caps))
+        # aiter's CK fp8 GEMMs ship code for CDNA (gfx9) only: RDNA4 has fp8 but aiter sends it to Triton kernels
+        # of its own (ROCm/aiter:aiter/ops/gemm_op_a8w8.py, _ck_a8w8_supported), which omnirun has not wired.
+        if caps.fp8_e4m3_dtype is not None and GfxArch.parse(self._device_properties().gcnArchName).major == 9:
+            ops.update(aiter_fp8_ops(aiter, caps.fp8_e4m3_dtype, triton=offers_triton(caps)))
+        return ops

@@ -2,9 +2,12 @@
 
 Every fact and control comes from stock torch. Decode graphs use torch.xpu.XPUGraph where this torch has it
 (torch >= 2.11). Where intel-extension-for-pytorch is installed *and* matches torch (IPEX X.Y needs torch X.Y), it
-adds the `ipex` attention backend and IPEX's fused ops (device_shared/ipex_*.py, shared with the cpu platform), and
-`fused_moe` on IPEX's GatedMLPMOE (ipex_moe.py) where torch has no XPU graphs. IPEX's last release pins torch 2.10,
-which has no XPUGraph: on real installs IPEX and XPU graphs never meet.
+adds the `ipex` attention backend and IPEX's fused ops (device_shared/ipex_*.py, shared with the cpu platform),
+`fused_moe` on IPEX's GatedMLPMOE (ipex_moe.py) where torch has no XPU graphs, and kept quantized weights where the
+installed IPEX has the functions: `int4_linear` on its weight-only-quantized linear (ipex_int4.py; layers it cannot
+take run the portable Triton kernel where triton runs, else the reference) and `fp8_linear` on its fp8 weight GEMM
+(ipex_fp8.py; else the reference). IPEX's last release pins torch 2.10, which has no XPUGraph: on real installs IPEX
+and XPU graphs never meet.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,7 @@ class XpuPlatform(Platform):
 
         fallback = portable_fused_ops(self.capabilities)
         ops = ipex_fused_ops("xpu", fallback=fallback)
+        ops.update(_ipex_quantized_linear_ops(fallback))
         # IPEX's MoE module reads each expert's row count on the host, and offering fused_moe turns decode graphs on
         # for MoE models: only where this torch has no XPU graphs (every real IPEX install: ipex_moe.py says why).
         if self.graph_api() is None:
@@ -118,6 +122,21 @@ class XpuPlatform(Platform):
             total = props.total_memory
             free = total - torch.xpu.memory_reserved(device)
         return int(free), int(total)
+
+
+def _ipex_quantized_linear_ops(fallback: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """int4_linear / fp8_linear (with their prepare hooks) where the imported IPEX has the functions they call.
+    Offering one makes layers keep those weights; what IPEX cannot take runs the fallback (ipex_int4.py, ipex_fp8.py).
+    """
+    import intel_extension_for_pytorch as ipex
+
+    from omnirun.devices.xpu.ipex_fp8 import ipex_fp8_ops, offers_fp8
+    from omnirun.devices.xpu.ipex_int4 import ipex_int4_ops, offers_int4
+
+    ops = ipex_int4_ops(ipex, fallback) if offers_int4(ipex) else {}
+    if offers_fp8():
+        ops.update(ipex_fp8_ops(fallback))
+    return ops
 
 
 _GRAPH_API = ("XPUGraph", "graph", "graph_pool_handle")

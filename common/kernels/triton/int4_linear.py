@@ -295,6 +295,12 @@ def gemm(
     )
 
 
+def takes(out_features: int, in_features: int, group_size: int, dtype: torch.dtype) -> bool:
+    """`int4_linear_takes`: bf16/fp16 models with groups a K step fits (float32 models and odd groups dequantize at
+    load rather than run the reference below)."""
+    return dtype in (torch.bfloat16, torch.float16) and fits(group_size, 64)
+
+
 # Rows up to which the GEMV tiles serve: above, 64-row tiles read each weight tile for more rows.
 GEMV_MAX_ROWS = 16
 

@@ -398,7 +398,7 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
     }
     if pdl:
         ops = {name: functools.partial(op, pdl=True) for name, op in ops.items()}
-    from omnirun.kernels.triton.int4_linear import int4_linear  # W4A16 (AWQ, GPTQ): integer unpacking, 16-bit dots
+    from omnirun.kernels.triton import int4_linear  # W4A16 (AWQ, GPTQ): integer unpacking, 16-bit dots
     from omnirun.kernels.triton.matmul import batch_invariant_linear  # deterministic mode's linear layers
     from omnirun.kernels.triton.moe import fused_moe  # mixtures of experts as two grouped GEMMs, graph-capturable
     from omnirun.kernels.triton.penalties import apply_penalties  # the penalties in one pass over the logits
@@ -412,5 +412,6 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
         "apply_penalties": apply_penalties,
         "apply_token_bitmask": apply_token_bitmask,
         "fused_moe": fused_moe,
-        "int4_linear": int4_linear,
+        "int4_linear": int4_linear.int4_linear,
+        "int4_linear_takes": int4_linear.takes,
     }

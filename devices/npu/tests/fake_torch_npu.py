@@ -363,6 +363,88 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A00
     return (x * r1.float() + rotated * r2.float()).to(input.dtype)
 
 
+# --- weight-only quantized matmul, as Atlas A2/A3 run it (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/
+# torch_npu-npu_convert_weight_to_int4pack.md, -npu_weight_quant_batchmatmul.md) ---
+
+WQBMM_DIM_LIMIT = 65535  # K and N within [1, 65535]
+_NIBBLE_SHIFTS = torch.arange(0, 32, 4)
+
+
+def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+    """int32 [d0, d1] of values in [-8, 7] -> int32 [d0, d1 / 8]: value 8c + i in bits 4i..4i+3 of word c, as
+    two's complement nibbles (pack_int4_3dim, the CPU golden of Ascend/op-plugin
+    test/test_custom_ops/test_npu_convert_weight_to_int4pack.py)."""
+    _require(weight.dtype == torch.int32 and weight.dim() == 2, "npu_convert_weight_to_int4pack: int32 2-D weight")
+    _require(weight.is_contiguous(), "npu_convert_weight_to_int4pack: no non-contiguous weight")
+    _require(weight.shape[1] % 8 == 0, f"npu_convert_weight_to_int4pack: last dim 8-aligned, got {weight.shape[1]}")
+    _require(bool(((weight >= -8) & (weight <= 7)).all()), "npu_convert_weight_to_int4pack: values in [-8, 7]")
+    nibbles = (weight.long() & 0xF).view(weight.shape[0], -1, 8)
+    words = (nibbles << _NIBBLE_SHIFTS).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _unpack_int4(words):
+    """int32 [r, c] -> int32 [r, 8c]: each word's eight signed nibbles, the lowest bits first."""
+    nibbles = (words.unsqueeze(-1) >> _NIBBLE_SHIFTS.to(torch.int32)) & 0xF
+    return (nibbles - ((nibbles & 8) << 1)).reshape(words.shape[0], -1)
+
+
+def _per_row(t, k, group_size):
+    """An antiquant scale/offset as [K or 1, N or 1]: per tensor (1,)/(1, 1), per channel (N,)/(1, N), per group
+    (ceil(K / group_size), N), row k reading group k // group_size."""
+    t = t.reshape(1, -1) if t.dim() == 1 else t
+    return t[torch.arange(k) // group_size] if group_size else t
+
+
+def npu_weight_quant_batchmatmul(
+    x,
+    weight,
+    antiquant_scale,
+    antiquant_offset=None,
+    quant_scale=None,
+    quant_offset=None,
+    bias=None,
+    antiquant_group_size=0,
+    inner_precise=0,
+):
+    """y = x @ ((weight + antiquant_offset) * antiquant_scale) + bias for an int4pack weight: the weight antiquantized
+    in x's dtype, the product accumulated in float32 (supported_op_exec, the test's golden)."""
+    _require(quant_scale is None and quant_offset is None, "not faked: output quantization (quant_scale)")
+    _require(x.dim() == 2 and x.dtype in HALF, f"npu_weight_quant_batchmatmul: x 2-D float16/bfloat16, got {x.dtype}")
+    _require(x.is_contiguous() or x.t().is_contiguous(), "npu_weight_quant_batchmatmul: x contiguous or transposed")
+    _require(weight.dim() == 2 and weight.dtype == torch.int32, "not faked: int8 weights (int32 int4pack expected)")
+    # int32 carries eight values along its storage's last dimension, K's when transposed
+    # (op-plugin op_plugin/ops/opapi/WeightQuantBatchMatmulV2KernelNpuOpApi.cpp).
+    transposed = not weight.is_contiguous()
+    _require(not transposed or weight.t().is_contiguous(), "weight: contiguous, or a contiguous one transposed")
+    w = _unpack_int4(weight.t()).t() if transposed else _unpack_int4(weight)  # [K, N]
+    k, n = w.shape
+    _require(x.shape[0] >= 1, "npu_weight_quant_batchmatmul: no empty tensor")
+    _require(x.shape[1] == k, f"npu_weight_quant_batchmatmul: x's K {x.shape[1]}, weight's {k}")
+    _require(k <= WQBMM_DIM_LIMIT and n <= WQBMM_DIM_LIMIT, f"K, N within [1, 65535], got {k}, {n}")
+    _require(inner_precise in (0, 1), f"inner_precise 0 or 1, got {inner_precise}")
+    g = antiquant_group_size
+    _require(g == 0 or (32 <= g <= k - 1 and g % 32 == 0), f"antiquant_group_size 0 or 32j in [32, K - 1], got {g}")
+    shapes = {(-(-k // g), n)} if g else {(1,), (1, 1), (n,), (1, n)}
+    _require(tuple(antiquant_scale.shape) in shapes, f"antiquant_scale {tuple(antiquant_scale.shape)}, not {shapes}")
+    _require(antiquant_scale.dtype == x.dtype, "npu_weight_quant_batchmatmul: antiquant_scale in x's dtype")
+    if antiquant_offset is not None:
+        _require(antiquant_offset.shape == antiquant_scale.shape, "antiquant_offset: antiquant_scale's shape")
+        _require(antiquant_offset.dtype == antiquant_scale.dtype, "antiquant_offset: antiquant_scale's dtype")
+    if bias is not None:
+        _require(tuple(bias.shape) in {(n,), (1, n)} and bias.is_contiguous(), "bias: contiguous (N,) or (1, N)")
+        wanted = torch.float32 if x.dtype == torch.bfloat16 else torch.float16
+        _require(bias.dtype == wanted, f"npu_weight_quant_batchmatmul: bias {wanted} for {x.dtype} x, got {bias.dtype}")
+    antiquantized = w.to(x.dtype)
+    if antiquant_offset is not None:
+        antiquantized = antiquantized + _per_row(antiquant_offset, k, g)
+    antiquantized = antiquantized * _per_row(antiquant_scale, k, g)
+    y = x.float() @ antiquantized.float()
+    if bias is not None:
+        y = y + bias.float().reshape(-1)
+    return y.to(x.dtype)
+
+
 # --- graphs (torch_npu/npu/graphs.py) ---
 
 
@@ -615,7 +697,8 @@ def make_fake_torch_npu(npu: FakeNpu | None = None, *, atb: bool = True, graphs:
         _register_atb_ops()
         for name in _ATB_SCHEMAS:
             setattr(module, name, getattr(torch.ops.atb, name))
-    for fn in (npu_rms_norm, npu_add_rms_norm, npu_swiglu, npu_rotary_mul, npu_top_k_top_p):
+    quant = (npu_convert_weight_to_int4pack, npu_weight_quant_batchmatmul)
+    for fn in (npu_rms_norm, npu_add_rms_norm, npu_swiglu, npu_rotary_mul, npu_top_k_top_p, *quant):
         setattr(module, fn.__name__, fn)
     _register_npu_ops()
     for name in _NPU_SCHEMAS:

@@ -424,8 +424,12 @@ def test_platform_offers_ascend_graphs_and_ops(fake_npu):
         "rotary_embedding",
         "sample",
         "fused_moe",
+        "int4_linear",  # Atlas A2 runs int4pack weights (test_ascend_quant.py); fp8_linear is never offered
+        "prepare_int4_linear",
+        "int4_linear_takes",
     }
     assert "ascend attention and NPU graphs" in fake_npu.notes()[0]
+    assert fake_npu.notes()[1].startswith("int4 layers run npu_weight_quant_batchmatmul")
 
 
 def test_without_nnal_no_ascend_and_no_graphs(fake_npu, monkeypatch):

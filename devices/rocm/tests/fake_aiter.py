@@ -2,12 +2,12 @@
 
 It follows the signatures of ROCm/aiter@e4048607a5 (aiter/ops/attention.py::paged_attention_ragged over
 csrc/cpp_itfs/pa/pa_ragged.py, aiter/ops/mha.py::flash_attn_varlen_func, aiter/ops/rmsnorm.py::rms_norm and
-rmsnorm2d_fwd_with_add, aiter/utility/dtypes.py::fp8) and refuses what the real kernels refuse or would read
-wrongly: queries outside fp16/bf16, a kv_cache_dtype other than auto/fp8/fp8_e4m3 (no e5m2), fp8 bytes in another
-encoding than the GPU's (e4m3fnuz on gfx942, e4m3fn on gfx950), KV caches whose layout or strides disagree with the
-layout named, tables that are not int32, a workspace smaller than the kernel's. Where a real kernel silently
-computes something else (a partition count too small for a context), the fake computes that same wrong thing, so
-a test sees it.
+rmsnorm2d_fwd_with_add, aiter/utility/dtypes.py::fp8; the fp8 GEMMs and quantizers in fake_aiter_fp8.py) and
+refuses what the real kernels refuse or would read wrongly: queries outside fp16/bf16, a kv_cache_dtype other than
+auto/fp8/fp8_e4m3 (no e5m2), fp8 bytes in another encoding than the GPU's (e4m3fnuz on gfx942, e4m3fn on gfx950),
+KV caches whose layout or strides disagree with the layout named, tables that are not int32, a workspace smaller
+than the kernel's. Where a real kernel silently computes something else (a partition count too small for a
+context), the fake computes that same wrong thing, so a test sees it.
 
 The decode kernel reads no host value, so it records and replays inside `omnirun_fakes.device`'s graphs.
 """
@@ -19,6 +19,7 @@ import importlib.machinery
 import types
 
 import torch
+from fake_aiter_fp8 import fp8_api
 
 HALF = (torch.bfloat16, torch.float16)
 NORM_DTYPES = (*HALF, torch.float32)
@@ -61,6 +62,8 @@ def make_aiter(gfx: str = "gfx942") -> types.ModuleType:
     paged_attention_ragged.__name__ = "paged_attention_ragged"
     for fn in (paged_attention_ragged, flash_attn_varlen_func, rms_norm, rmsnorm2d_fwd_with_add):
         setattr(module, fn.__name__, counted(fn))
+    for name, value in fp8_api(e4m3, _require, counted).items():  # the fp8 GEMMs (fake_aiter_fp8.py)
+        setattr(module, name, value)
     return module
 
 

@@ -32,7 +32,13 @@ def test_aiter_is_the_lanes_default_for_half_dtypes_only(fake_rocm):
         assert fake_rocm.default_attention_backend_for(mode, torch.float32) == "torch_native"
     assert fake_rocm.capabilities.fp8_e4m3_dtype == torch.float8_e4m3fnuz  # an MI300X (gfx942)
     assert fake_rocm.capabilities.device_name == "AMD Instinct MI300X (gfx942)"
-    assert set(fake_rocm.device_fused_ops()) == {"rms_norm", "add_rms_norm"}
+    assert set(fake_rocm.device_fused_ops()) == {
+        "rms_norm",
+        "add_rms_norm",
+        "fp8_linear",
+        "prepare_fp8_linear",
+        "fp8_linear_takes",
+    }
 
 
 def test_a_float32_runner_runs_eagerly_on_torch_native(fake_rocm, qwen2):

@@ -43,3 +43,25 @@ def test_capabilities_match_the_gpu(rocm: RocmPlatform):
         assert (ones.to(dtype) * 2).sum().item() == 32
     for dtype in caps.kv_cache_dtypes:
         assert torch.equal(ones.to(dtype).float(), ones)
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
+def test_fp8_linear_on_real_aiter_matches_the_reference(rocm: RocmPlatform, block):
+    """The fp8 GEMMs and quantizers of the installed aiter (never run by this project yet), and the Triton
+    weight-only kernel for decode rows, against the torch reference: the W8A8 tolerance of test_aiter_fp8.py."""
+    from omnirun.layers import native_ops
+
+    fused = rocm.fused_ops()
+    if "fp8_linear" not in fused:
+        pytest.skip("no fp8_linear here: aiter is not installed, or this GPU has no fp8 GEMMs in it")
+    device = rocm.device()
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(256, 512, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+    shape = (256,) if block is None else (2, 4)
+    scale = (torch.rand(*shape, generator=gen) * 1e-2 + 1e-3).to(device)
+    prepared = fused["prepare_fp8_linear"](weight, scale, block)
+    for rows in (1, 8, 64):
+        x = torch.randn(rows, 512, generator=gen).to(device, torch.bfloat16)
+        got = fused["fp8_linear"](x, weight, scale, None, block, prepared).float()
+        expected = native_ops.fp8_linear(x, weight, scale, None, block).float()
+        assert float((got - expected).norm() / expected.norm()) < 0.05, rows

@@ -240,8 +240,31 @@ def test_with_aiter_it_is_offered_after_triton_and_only_on_request(fake_gpu, ait
         assert rocm.default_attention_backend(mode) == "triton"
         assert rocm.default_attention_backend_for(mode, torch.bfloat16) == "triton"
     ops = rocm.device_fused_ops()
-    assert set(ops) == {"rms_norm", "add_rms_norm"}
+    assert set(ops) == {"rms_norm", "add_rms_norm", "fp8_linear", "prepare_fp8_linear", "fp8_linear_takes"}  # an MI300X
     assert set(rocm.fused_ops()) >= set(ops)  # aiter's norms replace the portable ones of the same name
+    assert "int4_linear" in rocm.fused_ops()  # the portable Triton kernel, as without aiter
+
+
+@pytest.mark.parametrize(
+    ("gcn_arch_name", "aiter_gfx", "kept"),
+    [
+        ("gfx942:sramecc+:xnack-", "gfx942", torch.float8_e4m3fnuz),  # MI300X: aiter's CK fp8 GEMMs, in fnuz
+        ("gfx950:sramecc+:xnack-", "gfx950", torch.float8_e4m3fn),  # MI355X: the same GEMMs, in OCP e4m3
+        ("gfx90a:sramecc+:xnack-", "gfx942", None),  # MI250: no fp8
+        ("gfx1201", "gfx950", None),  # RX 9070 XT: fp8, but aiter ships its CK GEMMs for CDNA only
+    ],
+)
+def test_fp8_linear_is_offered_on_cdna_gpus_with_fp8(fake_gpu, use_aiter, gcn_arch_name, aiter_gfx, kept):
+    from omnirun.layers.ops import resolve_ops, runs_fp8_weights
+
+    fake_gpu.arch = gcn_arch_name
+    use_aiter(aiter_gfx)
+    rocm = RocmPlatform()
+    ops = resolve_ops(rocm.fused_ops())
+    assert runs_fp8_weights(ops) == (kept is not None)  # layers keep fp8 checkpoints' weights, or dequantize them
+    if kept is not None:
+        weight = torch.zeros(16, 32, dtype=torch.float8_e4m3fn)
+        assert ops.prepare_fp8_linear(weight, torch.ones(16), None).weight.dtype == kept
 
 
 def test_no_graph_runner_when_decode_runs_on_torch_native(fake_gpu, monkeypatch: pytest.MonkeyPatch):
@@ -259,6 +282,7 @@ def test_import_of_the_aiter_modules_imports_no_aiter():
     code = (
         "import sys\n"
         "import omnirun.devices.rocm.aiter_attention, omnirun.devices.rocm.aiter_ops\n"
+        "import omnirun.devices.rocm.aiter_fp8, omnirun.devices.rocm.fnuz\n"
         "print('aiter' in sys.modules)\n"
     )
     # without_fake_lane: the rocm-fake lane would install a fake aiter in the child

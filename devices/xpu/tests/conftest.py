@@ -163,7 +163,8 @@ def write_package():
 @pytest.fixture
 def install_ipex(monkeypatch: pytest.MonkeyPatch, tmp_path):
     """install_ipex(build="xpu", version=None) -> the fake IPEX module, in sys.modules with pip's metadata on
-    sys.path (version None: one that matches this torch). Undone after the test."""
+    sys.path and its ops on torch.ops.torch_ipex (version None: one that matches this torch). Undone after the
+    test."""
     import sys as _sys
 
     _sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -179,6 +180,8 @@ def install_ipex(monkeypatch: pytest.MonkeyPatch, tmp_path):
         install_metadata(root, version)
         monkeypatch.syspath_prepend(str(root))
         monkeypatch.setitem(_sys.modules, "intel_extension_for_pytorch", module)
+        for name, op in module.torch_ops.items():  # what importing IPEX registers on torch.ops.torch_ipex
+            monkeypatch.setattr(torch.ops.torch_ipex, name, op, raising=False)
         return module
 
     return install

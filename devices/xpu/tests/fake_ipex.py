@@ -10,6 +10,13 @@ strides as [pages, kv_heads, page_size, head_dim], fp8 only as e5m2, no silu_and
 The attention math runs without any host read (batches are padded to the max lengths IPEX is given), so it can be
 recorded by omnirun_fakes.device's RecordingGraph like a kernel in a device graph. `calls` counts each entry point.
 
+The XPU build's quantized linear layers: `llm.quantization.IPEXWeightOnlyQuantizedLinear.from_weight` with the AWQ
+method (v2.5.10+xpu on) repacks AutoAWQ's words into GPTQ's in the very tensors it is given, as v2.8.10 does, and
+ignores a bias handed to its forward for int4; `torch.ops.torch_ipex.fp8_gemm_w8a16` (v2.8.10+xpu on) takes one scale
+per weight. Both refuse float32 rows (omnirun never sends them): XeTLA's int4 kernels would compute them in half, the
+fp8 GEMM asserts. The torch op is not registered with torch: `torch_ops` lists it, and the installers put it on
+`torch.ops.torch_ipex`.
+
 The XPU build's `llm.modules.GatedMLPMOE` (the mixture-of-experts module) follows v2.8.10+xpu on a GPU with XMX: the
 first forward keeps contiguous transposes of W13/W2 and re-points the tensors it was given at them (`W13.data = ...`),
 routes by softmax top-k in float32, renormalises where asked, runs silu(gate) * up per expert, refuses float32 where
@@ -21,6 +28,7 @@ XeTLA's grouped GEMM runs (8 or 16 experts), and reads the row counts on the hos
 from __future__ import annotations
 
 import collections
+import enum
 import importlib.machinery
 import types
 from typing import Any
@@ -482,6 +490,142 @@ def _gated_mlp_moe(module, hidden_states, top_k, router_logits, renormalize) -> 
     return out.to(dtype)
 
 
+class QuantMethod(enum.IntEnum):  # llm/quantization/utils.py
+    GPTQ_GEMM = 0
+    AWQ_GEMM = 1
+
+
+class QuantDtype(enum.IntEnum):
+    INT4 = 0
+    FP8_E5M2 = 1
+    FP8_E4M3FN = 2
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of word j holds column 8j + AWQ_ORDER[i]
+NIBBLE_SHIFTS = tuple(range(0, 32, 4))
+
+
+def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words -> their eight 4-bit fields (lowest first) spread along `dim` (8x longer), as int64."""
+    shifts = torch.tensor(NIBBLE_SHIFTS, device=words.device)
+    fields = (words.long().unsqueeze(-1) >> shifts) & 0xF  # [..., words, 8]
+    if dim == 0:  # along the rows: row 8r + i from field i of row r
+        return fields.permute(0, 2, 1).reshape(-1, words.shape[1])
+    return fields.reshape(words.shape[0], -1)
+
+
+def _words(fields: torch.Tensor, dim: int) -> torch.Tensor:
+    """4-bit values -> int32 words of eight along `dim`, the lowest bits first (the inverse of _nibbles)."""
+    shifts = torch.tensor(NIBBLE_SHIFTS, device=fields.device)
+    if dim == 0:
+        grouped = fields.long().view(-1, 8, fields.shape[1]) << shifts[None, :, None]
+        words = grouped.sum(1)
+    else:
+        words = (fields.long().view(fields.shape[0], -1, 8) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _from_awq_order(fields: torch.Tensor) -> torch.Tensor:
+    """[R, C] fields read from AWQ words (field i of word j at column 8j + i) -> column 8j + AWQ_ORDER[i] in place."""
+    out = torch.empty_like(fields)
+    out.view(fields.shape[0], -1, 8)[:, :, list(AWQ_ORDER)] = fields.view(fields.shape[0], -1, 8)
+    return out
+
+
+def make_quantization(calls: collections.Counter) -> types.SimpleNamespace:
+    """ipex.llm.quantization of the XPU build (v2.8.10+xpu: llm/quantization/woq_linear.py, and the XPU module of
+    nn/utils/_quantize_convert.py), int4 with the AWQ method only."""
+
+    class IPEXWeightOnlyQuantizedLinear:
+        def __init__(self, qweight, scales, qzeros, group_size, bias):
+            self.qweight, self.scales, self.qzeros = qweight, scales, qzeros
+            self.blocksize, self.bias = group_size, bias
+
+        @classmethod
+        def from_weight(
+            cls,
+            qweight,
+            scales,
+            zero_points,
+            in_features,
+            out_features,
+            qconfig=None,
+            bias=None,
+            group_size=-1,
+            g_idx=None,
+            quant_method=QuantMethod.GPTQ_GEMM,
+            dtype=QuantDtype.INT4,
+            **kwargs,
+        ):
+            calls["IPEXWeightOnlyQuantizedLinear.from_weight"] += 1
+            _check(qweight.device.type in {"cpu", "xpu"}, "Device type not supported.")
+            _check(dtype == QuantDtype.INT4, "only int4 weights are faked")
+            _check(quant_method == QuantMethod.AWQ_GEMM, "only the AWQ method is faked (GPTQ drops asymmetric zeros)")
+            _check(g_idx is None and qconfig is None, "act order and qconfigs are not faked")
+            group = in_features if group_size == -1 else group_size
+            _check(in_features % group == 0, "int4 dequantize: reduce-dim must be divisible by group size.")
+            groups, packed_n = in_features // group, out_features // 8
+            _check(out_features % 8 == 0, "AWQ packs eight outputs a word")
+            _check(qweight.dtype == torch.int32 and qweight.shape == (in_features, packed_n), "AWQ qweight [K, N/8]")
+            _check(scales.dtype in (torch.float16, torch.float32), "scale_dtype only support 'fp32', 'fp16'. now.")
+            _check(scales.shape == (groups, out_features), "AWQ scales are [K / group_size, N]")
+            _check(zero_points is not None, "AWQ needs its zero points")
+            _check(zero_points.dtype == torch.int32 and zero_points.shape == (groups, packed_n), "AWQ qzeros")
+            # fast_awq_to_gptq: the weight repacked along K ([K / 8, N]), the zeros along N in natural order, both
+            # written into the tensors given (set_weights_bias wraps qweight without a copy; `.data.copy_`).
+            values = _from_awq_order(_nibbles(qweight, dim=1))
+            zeros = _from_awq_order(_nibbles(zero_points, dim=1))
+            qweight.view(-1).copy_(_words(values, dim=0).view(-1))
+            zero_points.copy_(_words(zeros, dim=1))
+            return cls(qweight.view(in_features // 8, out_features), scales, zero_points, group, bias)
+
+        def __call__(self, x, bias=None, **kwargs):
+            return self.forward(x, bias, **kwargs)
+
+        def forward(self, x, bias=None, **kwargs):
+            calls["IPEXWeightOnlyQuantizedLinear.forward"] += 1
+            _check(x.dtype in HALF, f"XeTLA computes {x.dtype} rows in half (XEGEMM_INT4.cpp): not faked")
+            _check(x.dim() in (2, 3) and x.shape[-1] == self.qweight.shape[0] * 8, "x is [..., in_features]")
+            # bias: the XPU module's forward ignores it for int4 (it reads the bias given to from_weight).
+            group = torch.arange(self.qweight.shape[0] * 8, device=x.device) // self.blocksize
+            zeros = _nibbles(self.qzeros, dim=1)[group]
+            weight = (_nibbles(self.qweight, dim=0) - zeros).float() * self.scales.float()[group]  # [K, N]
+            out = x.float() @ weight
+            if self.bias is not None:
+                out = out + self.bias.float()
+            return out.to(x.dtype)  # float32 accumulation, one rounding
+
+    return types.SimpleNamespace(
+        IPEXWeightOnlyQuantizedLinear=IPEXWeightOnlyQuantizedLinear, QuantMethod=QuantMethod, QuantDtype=QuantDtype
+    )
+
+
+def make_fp8_gemm(calls: collections.Counter):
+    """torch.ops.torch_ipex.fp8_gemm_w8a16 (csrc/gpu/aten/operators/fp8/FP8Linear.cpp, oneDNN's w8a16 matmul)."""
+
+    def fp8_gemm_w8a16(A, B, trans_B, B_scale=None, bias=None):  # noqa: N803 - IPEX's argument names
+        calls["fp8_gemm_w8a16"] += 1
+        _check(isinstance(trans_B, bool), "trans_B is a bool")
+        _check(B.dtype in (torch.float8_e5m2, torch.float8_e4m3fn), "weight must be f8_e5m2 or f8_e4m3fn")
+        _check(A.dtype in HALF, f"Unsupported data type for fp8 matmul: {A.dtype}")
+        _check(A.dim() in (2, 3), "linear only support for 2D and 3D tensors!")
+        _check(B.dim() == 2, "fp8_gemm only support 2D weight")
+        _check(A.stride(-1) == 1, "rows are read by their leading stride: the last dim must be contiguous")
+        weight = B if trans_B else B.t()  # [N, K]
+        _check(weight.shape[1] == A.shape[-1], f"K of A {A.shape[-1]} and of the weight {weight.shape[1]} differ")
+        scale = torch.ones(1) if B_scale is None else B_scale
+        # oneDNN's mask 0 ("only for per-tensor scaling"): a longer tensor would be read as its first element.
+        _check(scale.numel() == 1, f"one scale per weight, got {tuple(scale.shape)}")
+        _check(scale.dtype in KERNEL_DTYPES, f"scale dtype {scale.dtype}")
+        out = A.float() @ (weight.float() * scale.float().to(A.device)).t()
+        if bias is not None:
+            _check(bias.numel() == weight.shape[0] and bias.dtype in KERNEL_DTYPES, "unsupported bias in matmul")
+            out = out + bias.float()
+        return out.to(A.dtype)
+
+    return fp8_gemm_w8a16
+
+
 def matching_version(build: str) -> str:
     """An IPEX version that matches this torch: X.Y.10+xpu (how Intel numbers its XPU builds) or X.Y.0+cpu."""
     major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
@@ -499,9 +643,14 @@ def make_ipex(build: str = "xpu", version: str | None = None) -> types.ModuleTyp
         modules=types.SimpleNamespace(PagedAttention=make_paged_attention(build, module.calls)),
         functional=make_functional(build, module.calls),
     )
+    module.torch_ops = {}  # what the installers put on torch.ops.torch_ipex
     if build == "xpu":
         major, minor = (int(part) for part in module.__version__.split(".")[:2])
         llm.modules.GatedMLPMOE = make_gated_mlp_moe(module.calls, expert_offset=(major, minor) >= (2, 10))
+        if (major, minor) >= (2, 5):
+            llm.quantization = make_quantization(module.calls)
+        if (major, minor) >= (2, 8):
+            module.torch_ops["fp8_gemm_w8a16"] = make_fp8_gemm(module.calls)
     module.llm = llm
     return module
 

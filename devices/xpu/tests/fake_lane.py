@@ -18,6 +18,8 @@ import tempfile
 import types
 from pathlib import Path
 
+import torch
+
 from omnirun.devices.xpu.platform import XpuPlatform, xpu_graph_api
 from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
 from omnirun.registry import PlatformRegistry
@@ -67,7 +69,10 @@ class FakeXpuPlatform(HostStandsInForDevice, XpuPlatform):
 def install(registry: PlatformRegistry) -> None:
     """The lane's registry hook (tests/support/omnirun_fakes/lane.py)."""
     version = matching_version("xpu")
-    sys.modules["intel_extension_for_pytorch"] = make_ipex("xpu", version)
+    ipex = make_ipex("xpu", version)
+    sys.modules["intel_extension_for_pytorch"] = ipex
+    for name, op in ipex.torch_ops.items():  # what importing IPEX registers on torch.ops.torch_ipex
+        setattr(torch.ops.torch_ipex, name, op)
     # The distribution metadata pip would have written, where importlib.metadata finds it.
     root = tempfile.mkdtemp(prefix="omnirun-fake-ipex-")
     install_metadata(root, version)

@@ -325,7 +325,17 @@ def test_xpu_platform_offers_fused_moe_only_without_xpu_graphs(monkeypatch, fake
         monkeypatch.delattr(torch.xpu, name, raising=False)
     platform = XpuPlatform()
     ops = platform.device_fused_ops()
-    assert sorted(ops) == ["add_rms_norm", "fused_moe", "rms_norm", "rotary_embedding", "silu_and_mul"]
+    quantized = [
+        "fp8_linear",
+        "int4_linear",
+        "prepare_fp8_linear",
+        "prepare_int4_linear",
+        "fp8_linear_takes",
+        "int4_linear_takes",
+    ]
+    assert sorted(ops) == sorted(
+        ["add_rms_norm", *quantized, "fused_moe", "rms_norm", "rotary_embedding", "silu_and_mul"]
+    )
     plan = assemble(RunnerConfig(model="stand-in"), platform, torch.bfloat16, 8, 64, experts=True)
     assert plan.graphs is None and plan.graphs_reason == "xpu has no graph API"
     x, logits, w13, w2 = _moe_inputs(torch.bfloat16)

@@ -9,6 +9,8 @@ from omnirun.assembly import assemble
 from omnirun.config import RunnerConfig
 from omnirun.devices.xpu.platform import XpuPlatform
 from omnirun.env_report import platform_row, to_table
+from omnirun.layers import native_ops
+from omnirun.layers.ops import resolve_ops, runs_fp8_weights, runs_int4_weights
 
 
 @pytest.fixture
@@ -22,8 +24,60 @@ def test_matching_ipex_is_offered_on_request(fake_xpu, install_ipex, no_triton) 
     assert platform.attention_backends() == ("ipex", "torch_native")
     # On request only: torch_native stays the default where triton does not run.
     assert platform.default_attention_backend("decode") == "torch_native"
-    assert sorted(platform.device_fused_ops()) == ["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+    quantized = [
+        "fp8_linear",
+        "int4_linear",
+        "prepare_fp8_linear",
+        "prepare_int4_linear",
+        "fp8_linear_takes",
+        "int4_linear_takes",
+    ]
+    fused = ["add_rms_norm", *quantized, "rms_norm", "rotary_embedding", "silu_and_mul"]
+    assert sorted(platform.device_fused_ops()) == sorted(fused)
     assert platform.notes() == ()
+
+
+def test_ipex_s_quantized_linears_win_and_keep_triton_as_their_fallback(
+    monkeypatch: pytest.MonkeyPatch, fake_xpu, install_ipex
+) -> None:
+    """The portable ops (Triton's int4_linear where triton runs) are the fallback IPEX's ops hand what IPEX cannot
+    take; in the platform's table IPEX's replace them, and offering them makes layers keep quantized weights."""
+    ipex = install_ipex("xpu")
+    seen = []
+
+    def portable_int4(x, *args):
+        seen.append("triton")
+        return native_ops.int4_linear(x, *args[:5])
+
+    portable = {"int4_linear": portable_int4}
+    monkeypatch.setattr("omnirun.devices.xpu.platform.portable_fused_ops", lambda capabilities: portable)
+    monkeypatch.setattr("omnirun.kernels.portable_fused_ops", lambda capabilities: portable)
+    platform = XpuPlatform()
+    ops = resolve_ops(platform.fused_ops())
+    assert ops.int4_linear is not portable_int4 and runs_int4_weights(ops) and runs_fp8_weights(ops)
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(-(2**31), 2**31, (16, 16), generator=gen, dtype=torch.int64).to(torch.int32)
+    scale, zero = torch.full((16, 8), 0.01), torch.full((16, 8), 8, dtype=torch.uint8)
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    assert ops.prepare_int4_linear(packed, scale, zero, 16) is None  # groups of 16: not IPEX's
+    ops.int4_linear(x, packed, scale, zero, None, 16, None)
+    assert seen == ["triton"] and ipex.calls["IPEXWeightOnlyQuantizedLinear.forward"] == 0
+    scale, zero = scale[:, :1], zero[:, :1]
+    prepared = ops.prepare_int4_linear(packed, scale, zero, 128)
+    ops.int4_linear(x, packed, scale, zero, None, 128, prepared)
+    assert seen == ["triton"] and ipex.calls["IPEXWeightOnlyQuantizedLinear.forward"] == 1
+    quantized = platform_row(platform).quantized
+    assert "kept packed for int4_linear" in quantized and "kept in fp8 for fp8_linear" in quantized
+
+
+def test_ipex_without_quantized_linears_leaves_them_dequantized(
+    monkeypatch: pytest.MonkeyPatch, fake_xpu, install_ipex, no_triton
+) -> None:
+    ipex = install_ipex("xpu")
+    del ipex.llm.quantization  # as before v2.5.10+xpu; the fp8 GEMM came with v2.8.10+xpu
+    monkeypatch.delattr(torch.ops.torch_ipex, "fp8_gemm_w8a16")
+    ops = resolve_ops(XpuPlatform().fused_ops())
+    assert not runs_int4_weights(ops) and not runs_fp8_weights(ops)
 
 
 def test_ipex_comes_after_triton(monkeypatch: pytest.MonkeyPatch, fake_xpu, install_ipex) -> None:
