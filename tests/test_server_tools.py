@@ -230,3 +230,17 @@ def test_a_parser_whose_marker_is_a_special_token_keeps_special_tokens_in_the_te
         extra = {"tools": TOOLS} if parser else {}
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, **extra)
     assert [p.skip_special_tokens for p in seen] == [not keeps]
+
+
+def test_auto_calls_under_the_grammar_stream_their_arguments_in_pieces(llm):
+    """hermes has a structural tag: its `auto` calls run under the grammar, so a call's arguments are sent as they
+    come (several pieces), not whole once the call closes as a parser of unconstrained text must."""
+    text, _, calls = SCRIPTS["hermes"]
+    with serving(llm, "hermes", text) as client:
+        with client.chat.completions.stream(**_scripted_request(text)) as stream:
+            chunks = [event.chunk for event in stream if event.type == "chunk"]
+            final = stream.get_final_completion()
+    pieces = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or [] if d.index == 0]
+    assert len([d for d in pieces if d.function.arguments]) > 1
+    assert json.loads("".join(d.function.arguments or "" for d in pieces)) == calls[0][1]
+    assert _calls(final.choices[0].message) == calls

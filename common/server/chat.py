@@ -50,6 +50,7 @@ from omnirun.server.state import ServerState
 from omnirun.server.structured import ForcedCalls, named_call, only_one, output_constraints, required_calls
 from omnirun.server.tokenize import encode_checked
 from omnirun.server.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolParser
+from omnirun.server.tool_parsers.tagged import TaggedCalls, tagged_calls
 
 
 def _content(content: str | list[ContentPart] | None, index: int) -> str:
@@ -171,7 +172,7 @@ def _logprobs(name: Callable[[int], str], choice: Choice, start: int, n_top: int
 
 
 def _message(
-    choice: Choice, parser: ToolParser | None, forced: ForcedCalls | None
+    choice: Choice, parser: ToolParser | TaggedCalls | None, forced: ForcedCalls | None
 ) -> tuple[ChatResponseMessage, str | None]:
     """A finished choice's message and finish reason: "tool_calls" when the parser found calls (as vLLM says)."""
     if forced is not None:
@@ -212,7 +213,13 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
         raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_top = body.top_logprobs or 0
     parser, forced = tool_parser_for(state, body), forced_calls(body)
-    constraint = only_one(output_constraints(body) + ([forced.constraint] if forced is not None else []))
+    found = output_constraints(body) + ([forced.constraint] if forced is not None else [])
+    # auto calls under the grammar, so that their arguments stream in pieces (tagged.py): where the parser's format
+    # has a structural tag and nothing else constrains the output.
+    tagged = tagged_calls(parser, body.tools or [], body.parallel_tool_calls) if not found else None
+    if tagged is not None:
+        parser, found = tagged, [("tool_choice 'auto'", tagged.spec)]
+    constraint = only_one(found)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(
         body, max_tokens=max_tokens, logprobs=n_top if body.logprobs else None, structured_output=constraint

@@ -1,5 +1,6 @@
 """What a request's output must match: a JSON schema, any JSON object, a regular expression, one of some strings,
-or an EBNF grammar (vLLM's `structured_outputs` / `guided_*` kinds, OpenAI's `response_format`)."""
+or an EBNF grammar (vLLM's `structured_outputs` / `guided_*` kinds, OpenAI's `response_format`); and, for the
+server's `auto` tool calls, an xgrammar structural tag."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from typing import Any, Literal
 
 from omnirun.errors import SamplingParamsError
 
-Kind = Literal["json_schema", "json_object", "regex", "choice", "ebnf"]
-KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "ebnf")
+Kind = Literal["json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag"]
+KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "ebnf", "structural_tag")
 
 
 @dataclasses.dataclass(frozen=True)
 class GrammarSpec:
     """One constraint. `value` is text so that a spec is hashable (the compile cache's key): the schema as JSON
-    (its key order kept), the regex, the EBNF, the choices as a JSON list; "" for json_object."""
+    (its key order kept), the regex, the EBNF, the choices as a JSON list, the structural tag as JSON; "" for
+    json_object."""
 
     kind: Kind
     value: str = ""
@@ -53,3 +55,9 @@ class GrammarSpec:
     @classmethod
     def ebnf(cls, grammar: str) -> GrammarSpec:
         return cls("ebnf", grammar)
+
+    @classmethod
+    def structural_tag(cls, tag: dict[str, Any]) -> GrammarSpec:
+        """xgrammar's structural tag (free text, and tagged parts held to their schemas): the server's `auto` tool
+        calls (omnirun.server.tool_parsers.tagged)."""
+        return cls("structural_tag", json.dumps(tag))

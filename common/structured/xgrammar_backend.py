@@ -85,6 +85,8 @@ class XGrammarBackend:
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.value)
+            if spec.kind == "structural_tag":  # its JSON parts exclude control characters themselves
+                return compiler.compile_structural_tag(spec.value)
             if spec.kind == "choice":  # an EBNF of quoted alternatives (JSON's escapes are EBNF's)
                 options = " | ".join(json.dumps(option) for option in json.loads(spec.value))
                 return compiler.compile_grammar(f"root ::= {options}")

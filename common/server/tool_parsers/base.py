@@ -7,7 +7,8 @@ wherever the scanner's decisions depend on the text alone, never on where the pi
 random to hold that). A call is handed back only once its JSON is complete and valid: text that looks like a call
 but is not valid JSON stays content, in the stream too, which never has to take back a call it began. So a call's
 arguments reach the stream in one piece, when the call ends; streaming them token by token would send calls that
-could still turn out invalid (vLLM's parsers do, and then the stream and the finished message disagree).
+could still turn out invalid (vLLM's parsers do, and then the stream and the finished message disagree). Under the
+grammar a format with a structural tag streams them in pieces instead (omnirun.server.tool_parsers.tagged).
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def call_from_object(value: object, argument_keys: tuple[str, ...] = ("arguments
     return ToolCall(value["name"], arguments)
 
 
+def call_header(name: str, arguments_key: str) -> str:
+    """`{"name": "<name>", "<arguments_key>": `, a call's opening as the JSON formats write it."""
+    return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{arguments_key}": '
+
+
 def split_at_marker(text: str, marker: str) -> tuple[str, str | None, str]:
     """`(before, after, held)`: with `marker` in `text`, the text before and after its first occurrence (held is
     ""); without, `after` is None and `held` is the tail of `text` that may still begin the marker (a piece can end
@@ -145,6 +151,14 @@ class ToolParser:
     name: ClassVar[str]
     # Its marker is a special token (Mistral's [TOOL_CALLS]): the request's text must keep special tokens.
     needs_special_tokens: ClassVar[bool] = False
+    # For `auto` under the grammar (omnirun.server.tool_parsers.tagged): the text that opens a call, a call's text
+    # up to its arguments (`call_begin(name)`, which starts with the trigger) and after them (`call_end`). None: the
+    # format's calls are read as the model wrote them, each sent whole once its JSON is complete.
+    trigger: ClassVar[str | None] = None
+    call_end: ClassVar[str] = ""
+
+    def call_begin(self, name: str) -> str:
+        raise NotImplementedError(f"the {self.name} format has no structural tag")
 
     def scanner(self) -> Scanner:
         raise NotImplementedError

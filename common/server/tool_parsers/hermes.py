@@ -17,7 +17,14 @@ tags, "arguments" as a JSON object, the content being what precedes the first bl
 
 from __future__ import annotations
 
-from omnirun.server.tool_parsers.base import ContentAround, Piece, ToolParser, call_from_json, split_at_marker
+from omnirun.server.tool_parsers.base import (
+    ContentAround,
+    Piece,
+    ToolParser,
+    call_from_json,
+    call_header,
+    split_at_marker,
+)
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -62,6 +69,11 @@ class HermesScanner:
 
 class HermesParser(ToolParser):
     name = "hermes"
+    trigger = START
+    call_end = "}\n" + END  # the call object's brace, then the tag on its own line, as Qwen's template shows it
+
+    def call_begin(self, name: str) -> str:
+        return f"{START}\n{call_header(name, 'arguments')}"
 
     def scanner(self) -> HermesScanner:
         return HermesScanner()
