@@ -273,7 +273,12 @@ class ModelRunner:
             page_size=page_size,
         )
         if cache.quantized:
-            cache.set_scales(*self.model.kv_scales())
+            try:
+                cache.set_scales(*self.model.kv_scales())
+            except ValueError as exc:
+                raise ModelLoadError(
+                    f"the checkpoint's k_scale/v_scale: {exc}; re-export its KV cache scales"
+                ) from None
         return KVMemory(
             PageAllocator(plan.num_pages, page_size),
             ReqToTokenPool(plan.max_running_requests, self.context_length, self.device),

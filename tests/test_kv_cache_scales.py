@@ -72,3 +72,15 @@ def test_per_head_kv_cache_scales_are_refused_before_loading(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"kv_cache_scheme strategy 'attn_head' is not supported: .* per-tensor"):
         make_runner(CpuPlatform(), tmp_path, kv_cache_dtype="fp8_e4m3")
+
+
+def test_a_zero_scale_in_the_checkpoint_is_refused_in_one_line(tmp_path):
+    SCALES_BAD = {"k": [0.0, 0.7], "v": [1.9, 0.05]}
+    write_fp8_checkpoint(tmp_path, "llama", "channel")
+    tensors = load_file(tmp_path / "model.safetensors")
+    for kv, values in SCALES_BAD.items():
+        for layer, value in enumerate(values):
+            tensors[f"model.layers.{layer}.self_attn.{kv}_scale"] = torch.tensor(value)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"^the checkpoint's k_scale/v_scale: .*positive and finite; re-export"):
+        make_runner(CpuPlatform(), tmp_path, kv_cache_dtype="fp8_e4m3")

@@ -22,8 +22,8 @@ class PagedKVCache:
     stored values: attention over K and V is attention over the stored ones with the softmax scale times k_scale and the
     output times v_scale (omnirun.layers.attention.PagedAttention folds the scales in that way for every backend).
 
-        Slots 0..page_size-1 (page 0) are the padding page: zeroed here and never handed out, so kernels may point
-        padded entries at slot 0. The rest is left uninitialised, because zeroing a multi-GB pool costs start-up time.
+    Slots 0..page_size-1 (page 0) are the padding page: zeroed here and never handed out, so kernels may point
+    padded entries at slot 0. The rest is left uninitialised, because zeroing a multi-GB pool costs start-up time.
     """
 
     def __init__(
