@@ -19,11 +19,11 @@ from quantized_checkpoints import prefill_logits, write_fp8_checkpoint
 SCALES = {"k": [0.02, 0.7], "v": [1.9, 0.05]}  # per layer: keys and values far from 1 either way
 
 
-def _checkpoint_with_kv_scales(path, shape=()):
-    """The tiny compressed-tensors fp8 checkpoint, its k_scale/v_scale tensors set to SCALES (of `shape`)."""
+def _checkpoint_with_kv_scales(path, shape=(), scales=SCALES):
+    """The tiny compressed-tensors fp8 checkpoint, its k_scale/v_scale tensors set to `scales` (of `shape`)."""
     write_fp8_checkpoint(path, "llama", "channel")
     tensors = load_file(path / "model.safetensors")
-    for kv, values in SCALES.items():
+    for kv, values in scales.items():
         for layer, value in enumerate(values):
             tensors[f"model.layers.{layer}.self_attn.{kv}_scale"] = torch.full(shape, value)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
@@ -75,12 +75,6 @@ def test_per_head_kv_cache_scales_are_refused_before_loading(tmp_path):
 
 
 def test_a_zero_scale_in_the_checkpoint_is_refused_in_one_line(tmp_path):
-    SCALES_BAD = {"k": [0.0, 0.7], "v": [1.9, 0.05]}
-    write_fp8_checkpoint(tmp_path, "llama", "channel")
-    tensors = load_file(tmp_path / "model.safetensors")
-    for kv, values in SCALES_BAD.items():
-        for layer, value in enumerate(values):
-            tensors[f"model.layers.{layer}.self_attn.{kv}_scale"] = torch.tensor(value)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _checkpoint_with_kv_scales(tmp_path, scales={"k": [0.0, 0.7], "v": [1.9, 0.05]})
     with pytest.raises(ModelLoadError, match=r"^the checkpoint's k_scale/v_scale: .*positive and finite; re-export"):
         make_runner(CpuPlatform(), tmp_path, kv_cache_dtype="fp8_e4m3")
