@@ -348,13 +348,13 @@ NO_CALL = ("No call: 1 < 2, <b>bold</b>, <tool_call>not json</tool_call>.", None
 
 
 @contextlib.contextmanager
-def _serving(llm, parser: str | None, script: str):
-    """A server over `llm` with `--tool-call-parser parser`, whose model says `script` (its template shows tools);
-    yields the client and the request's arguments."""
+def _serving(llm, parser: str | None, script: str, finish_reason: str = "stop"):
+    """A server over `llm` with `--tool-call-parser parser`, whose model says `script` (its template shows tools)
+    and ends for `finish_reason`; yields the client and the request's arguments."""
     template, llm.tokenizer.chat_template = llm.tokenizer.chat_template, TOOLS_TEMPLATE
     app = create_app(llm, served_model_name=MODEL, tool_call_parser=parser)
     engine = app.state.server.engine
-    engine.submit = ScriptedText(engine.submit, script, finish_reason="stop")  # as a model that ends there
+    engine.submit = ScriptedText(engine.submit, script, finish_reason=finish_reason)  # as a model that ends there
     args = {
         "model": MODEL,
         "input": "Weather in Paris?",
@@ -437,6 +437,9 @@ def test_auto_tool_choice_streams_events_that_assemble_into_the_same_items(llm, 
     assert assembled == [("message", x) if kind == "message" else (x[0], json.dumps(x[1])) for kind, x in items]
     texts = [e for e in events if e.type == "response.output_text.delta"]
     assert len(texts) > 1  # the message's text streams as it comes, not at the end
+    # hermes calls run under the grammar's structural tag: their arguments stream in pieces too
+    pieces = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 2 * len([kind for kind, _ in items if kind == "function_call"])
 
 
 def test_text_without_a_call_stays_one_message_through_the_parser(llm):
@@ -468,3 +471,13 @@ def test_auto_tool_choice_without_a_parser_is_a_one_line_400_naming_the_flag(llm
             assert "--tool-call-parser (hermes, llama3_json, mistral)" in error["message"]
             assert "'required'" in error["message"] and "\n" not in error["message"]
             assert error["param"] == "tool_choice"
+
+
+def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item_with_the_arguments_so_far(llm):
+    script = _hermes(WEATHER)[:-30]  # the model's last token inside the arguments
+    with _serving(llm, "hermes", script, finish_reason="length") as (client, args):
+        out = client.responses.create(**args)
+    assert out.status == "incomplete" and [item.type for item in out.output] == ["function_call"]
+    call = out.output[0]
+    assert call.status == "incomplete" and call.name == "get_weather"
+    assert json.dumps(WEATHER[1]).startswith(call.arguments) and call.arguments != json.dumps(WEATHER[1])

@@ -119,13 +119,19 @@ def tool_parser_for(state: ServerState, body: ChatCompletionRequest) -> ToolPars
     return state.tool_parser
 
 
+def _functions(body: ChatCompletionRequest) -> dict[str, dict[str, Any] | None]:
+    """Each tool's parameters schema by name (the first of a name wins)."""
+    functions: dict[str, dict[str, Any] | None] = {}
+    for tool in body.tools or []:
+        functions.setdefault(tool.function.name, tool.function.parameters)
+    return functions
+
+
 def forced_calls(body: ChatCompletionRequest) -> ForcedCalls | None:
     """tool_choice required or a named function, which the grammar enforces (no parser needed); None otherwise."""
     if body.tool_choice in (None, "none", "auto") or not body.tools:
         return None
-    functions: dict[str, dict[str, Any] | None] = {}
-    for tool in body.tools:
-        functions.setdefault(tool.function.name, tool.function.parameters)
+    functions = _functions(body)
     if body.tool_choice == "required":
         return required_calls(functions, parallel=body.parallel_tool_calls)
     return named_call(functions, body.tool_choice.function.name)
@@ -216,7 +222,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: HTTPRequest, 
     found = output_constraints(body) + ([forced.constraint] if forced is not None else [])
     # auto calls under the grammar, so that their arguments stream in pieces (tagged.py): where the parser's format
     # has a structural tag and nothing else constrains the output.
-    tagged = tagged_calls(parser, body.tools or [], body.parallel_tool_calls) if not found else None
+    tagged = tagged_calls(parser, _functions(body), body.parallel_tool_calls) if not found else None
     if tagged is not None:
         parser, found = tagged, [("tool_choice 'auto'", tagged.spec)]
     constraint = only_one(found)

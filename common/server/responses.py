@@ -23,8 +23,9 @@ engine produces text), response.output_text.done, response.content_part.done, re
 response.completed with the whole response (as vLLM does, also when it stopped at max_output_tokens, with status
 incomplete). Forced calls stream each as response.output_item.added (the function_call, arguments empty),
 response.function_call_arguments.delta (as the engine produces them), response.function_call_arguments.done and
-response.output_item.done. Parsed calls stream the same way, each once the parser has it whole (its arguments in
-one delta), beside the message's events for the text. An engine error mid-stream is an `error` event with chat's
+response.output_item.done. Parsed calls stream the same way, beside the message's events for the text: under the
+grammar (a parser with a structural tag, as chat) each as its arguments come, else each once the parser has it whole
+(its arguments in one delta). An engine error mid-stream is an `error` event with chat's
 error body, and ends the stream.
 """
 
@@ -88,6 +89,7 @@ from omnirun.server.responses_protocol import (
 from omnirun.server.state import ServerState
 from omnirun.server.structured import Constraint, ForcedCalls, json_schema, named_call, only_one, required_calls
 from omnirun.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser
+from omnirun.server.tool_parsers.tagged import CallDone, TaggedCalls, TaggedCallStream, tagged_calls
 from omnirun.structured import GrammarSpec
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -392,23 +394,40 @@ async def _stream_calls(
 class _ParsedItems:
     """The output items of a text read by a tool call parser (tool_choice auto), in the text's order, with the stream
     events that build them, one item done before the next is added (as OpenAI streams them): a message for a run of
-    content (the text before the calls, as models write it), and a function_call item per call, whole when the
-    parser finds it (a call is sent once its JSON is whole and valid). The parser's scanner hands back content and
-    calls in order, whatever the pieces the text came in: the stream and the finished response agree."""
+    content (the text before the calls, as models write it), and a function_call item per call: whole when the
+    parser finds it (a call is sent once its JSON is whole and valid), or, under the grammar (TaggedCalls), added
+    once its header is read and its arguments streamed as they come (a call cut by max_output_tokens is then an
+    incomplete item). The scanner hands back content and calls in order, whatever the pieces the text came in: the
+    stream and the finished response agree."""
 
-    def __init__(self, event: _Events, parser: ToolParser) -> None:
-        self._event, self._parser, self._scanner = event, parser, parser.scanner()
+    def __init__(self, event: _Events, parser: ToolParser | TaggedCalls) -> None:
+        self._event, self._parser = event, parser
+        # A parser's scanner hands back whole calls; under the grammar (TaggedCalls) a call comes in pieces.
+        self._scanner = parser.stream() if isinstance(parser, TaggedCalls) else parser.scanner()
         self.items: list[OutputItem] = []
         self._message: OutputMessage | None = None  # the open one, content arriving
         self._where: dict[str, Any] = {}
+        self._call_at = -1  # the output index of the call whose arguments are arriving
 
     def feed(self, text: str, *, last: bool) -> list[str]:
-        pieces = self._scanner.feed(text) if text else []
-        if last:
-            pieces += self._scanner.finish()
+        if isinstance(self._scanner, TaggedCallStream):
+            pieces = self._scanner.pieces(text, last=last)
+        else:
+            pieces = self._scanner.feed(text) if text else []
+            if last:
+                pieces += self._scanner.finish()
         events = []
         for piece in pieces:
-            events += self._call(piece) if isinstance(piece, ToolCall) else self._text(piece)
+            if isinstance(piece, str):
+                events += self._text(piece)
+            elif isinstance(piece, ToolCall):
+                events += self._open_call(piece.name) + self._arguments(piece.arguments) + self._close_call()
+            elif isinstance(piece, CallDone):
+                events += self._close_call()
+            elif piece.name is not None:
+                events += self._open_call(piece.name)
+            else:
+                events += self._arguments(piece.arguments)
         return events
 
     def _text(self, text: str) -> list[str]:
@@ -427,19 +446,28 @@ class _ParsedItems:
         message.content[0].text += text
         return [*events, self._event(TextDeltaEvent, **self._where, delta=text)] if text else events
 
-    def _call(self, call: ToolCall) -> list[str]:
+    def _open_call(self, name: str) -> list[str]:
         events = self._close_message("completed")
         item = FunctionCallItem(
-            id=new_item_id("fc"), call_id=self._parser.new_call_id(), name=call.name, arguments="", status="in_progress"
+            id=new_item_id("fc"), call_id=self._parser.new_call_id(), name=name, arguments="", status="in_progress"
         )
         self.items.append(item)
-        at = len(self.items) - 1
+        self._call_at = at = len(self.items) - 1
         events.append(self._event(OutputItemEvent, type="response.output_item.added", output_index=at, item=item))
-        item.arguments, item.status = call.arguments, "completed"
-        events.append(self._event(ArgumentsDeltaEvent, item_id=item.id, output_index=at, delta=item.arguments))
-        events.append(self._event(ArgumentsDoneEvent, item_id=item.id, output_index=at, arguments=item.arguments))
-        events.append(self._event(OutputItemEvent, type="response.output_item.done", output_index=at, item=item))
         return events
+
+    def _arguments(self, piece: str) -> list[str]:
+        item, at = self.items[self._call_at], self._call_at
+        item.arguments += piece
+        return [self._event(ArgumentsDeltaEvent, item_id=item.id, output_index=at, delta=piece)] if piece else []
+
+    def _close_call(self, status: Status = "completed") -> list[str]:
+        item, at, self._call_at = self.items[self._call_at], self._call_at, -1
+        item.status = status
+        return [
+            self._event(ArgumentsDoneEvent, item_id=item.id, output_index=at, arguments=item.arguments),
+            self._event(OutputItemEvent, type="response.output_item.done", output_index=at, item=item),
+        ]
 
     def _close_message(self, status: Status) -> list[str]:
         message, self._message = self._message, None
@@ -456,10 +484,12 @@ class _ParsedItems:
         """End the last message (status incomplete when the output was cut); an empty message when the text held
         nothing, as a plain response has."""
         events = self._text("") if not self.items else []
+        if self._call_at >= 0:  # cut inside a call's arguments (max_output_tokens)
+            events += self._close_call("incomplete")
         return events + self._close_message(status)
 
 
-def _parsed_items(parser: ToolParser, choice: Choice) -> list[OutputItem]:
+def _parsed_items(parser: ToolParser | TaggedCalls, choice: Choice) -> list[OutputItem]:
     items = _ParsedItems(_Events(), parser)
     items.feed(choice.text, last=True)
     items.close(_status(choice))
@@ -467,7 +497,11 @@ def _parsed_items(parser: ToolParser, choice: Choice) -> list[OutputItem]:
 
 
 async def _stream_parsed(
-    started: ResponsesResponse, group: RequestGroup, parser: ToolParser, prompt: list[int], requests: list[Request]
+    started: ResponsesResponse,
+    group: RequestGroup,
+    parser: ToolParser | TaggedCalls,
+    prompt: list[int],
+    requests: list[Request],
 ) -> AsyncIterator[str]:
     event, choice = _Events(), Choice()
     items = _ParsedItems(event, parser)
@@ -494,7 +528,14 @@ async def create_response(body: ResponsesRequest, raw: HTTPRequest, state: Serve
     functions = _functions(body)
     forced = _forced_calls(body, functions)
     parser = _tool_parser(state, body, functions)
-    constraint = only_one(_text_constraint(body) + ([forced.constraint] if forced is not None else []))
+    found = _text_constraint(body) + ([forced.constraint] if forced is not None else [])
+    # auto calls under the grammar where the parser's format has a structural tag, as chat does (their arguments
+    # then stream in pieces)
+    schemas = {name: function.parameters for name, function in functions.items()}
+    tagged = tagged_calls(parser, schemas, body.parallel_tool_calls) if not found else None
+    if tagged is not None:
+        parser, found = tagged, [("tool_choice 'auto'", tagged.spec)]
+    constraint = only_one(found)
     params = sampling_params(body, max_tokens=body.max_output_tokens, logprobs=None, structured_output=constraint)
     if parser is not None and parser.needs_special_tokens:  # as chat: or the parser would never see its marker
         params = dataclasses.replace(params, skip_special_tokens=False)

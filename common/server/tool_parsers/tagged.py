@@ -13,6 +13,7 @@ grammar) stays content.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from omnirun.server.tool_parsers.base import (
@@ -26,6 +27,16 @@ from omnirun.server.tool_parsers.base import (
 )
 from omnirun.server.tool_parsers.json_scan import JsonValueEnd
 from omnirun.structured import GrammarSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class CallDone:
+    """The call of this index ended (its closing text read): the Responses API then closes its item."""
+
+    index: int
+
+
+TaggedPiece = str | ToolCallDelta | CallDone  # what the stream hands back, in the text's order
 
 
 class TaggedCalls:
@@ -87,26 +98,33 @@ class TaggedCallStream:
         self.calls = 0  # calls begun so far
 
     def feed(self, text: str, *, last: bool = False) -> ParsedDelta:
+        """The next text delta read, as chat streams it: content, and the call pieces."""
+        pieces = self.pieces(text, last=last)
+        content = "".join(piece for piece in pieces if isinstance(piece, str))
+        return ParsedDelta(content, tuple(piece for piece in pieces if isinstance(piece, ToolCallDelta)))
+
+    def pieces(self, text: str, *, last: bool = False) -> list[TaggedPiece]:
+        """The next text delta read, in the text's order: content strings, call pieces (a call's first names it),
+        and the end of each call."""
         self._text += text
-        content: list[str] = []
-        deltas: list[ToolCallDelta] = []
-        while self._step(content, deltas):
+        out: list[TaggedPiece] = []
+        while self._step(out):
             pass
         if last:
             if self._state in ("text", "header"):  # a header never completed: what it held was text
-                content += self._out.content(self._text)
-            elif self._state == "arguments" and self._text:  # cut inside the arguments (max_tokens)
-                deltas.append(ToolCallDelta(self.calls - 1, arguments=self._text))
+                out += self._out.content(self._text)
+            elif self._state == "arguments" and self._text:  # cut inside the arguments (max_tokens): no CallDone
+                out.append(ToolCallDelta(self.calls - 1, arguments=self._text))
             self._text, self._state = "", "text"
-            content += self._out.finish()
-        return ParsedDelta("".join(content), tuple(deltas))
+            out += self._out.finish()
+        return out
 
-    def _step(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
+    def _step(self, out: list[TaggedPiece]) -> bool:
         """Move on through what the text decides; False once it decides nothing more."""
         calls = self._calls
         if self._state == "text":
             before, after, held = split_at_marker(self._text, calls.trigger)
-            content += self._out.content(before)
+            out += self._out.content(before)
             if after is None:
                 self._text = held
                 return False
@@ -116,20 +134,20 @@ class TaggedCallStream:
             for begin, name in calls._begins.items():
                 if self._text.startswith(begin):
                     self._out.call(ToolCall(name, ""))  # whitespace before a call is not content
-                    deltas.append(ToolCallDelta(self.calls, calls.new_call_id(), name, ""))
+                    out.append(ToolCallDelta(self.calls, calls.new_call_id(), name, ""))
                     self.calls += 1
                     self._text, self._state, self._arguments = self._text[len(begin) :], "arguments", JsonValueEnd()
                     return True
             if any(begin.startswith(self._text) for begin in calls._begins):
                 return False  # still one of the headers
-            content += self._out.content(calls.trigger)  # not a call after all (text the grammar did not shape)
+            out += self._out.content(calls.trigger)  # not a call after all (text the grammar did not shape)
             self._text, self._state = self._text[len(calls.trigger) :], "text"
             return True
         if self._state == "arguments":
             at = self._arguments.feed(self._text)
             piece = self._text if at < 0 else self._text[:at]
             if piece:
-                deltas.append(ToolCallDelta(self.calls - 1, arguments=piece))
+                out.append(ToolCallDelta(self.calls - 1, arguments=piece))
             if at < 0:
                 self._text = ""
                 return False
@@ -140,15 +158,17 @@ class TaggedCallStream:
             return False
         if self._text.startswith(calls._end):
             self._text = self._text[len(calls._end) :]
+            out.append(CallDone(self.calls - 1))
         self._state = "text"
         return True
 
 
-def tagged_calls(parser: ToolParser | None, tools: list[Any], parallel: bool) -> TaggedCalls | None:
-    """The constrained reading of `auto` calls for a parser whose format has a structural tag (None otherwise)."""
-    if parser is None or parser.trigger is None:
+def tagged_calls(
+    parser: ToolParser | None, functions: dict[str, dict[str, Any] | None], parallel: bool
+) -> TaggedCalls | None:
+    """The constrained reading of `auto` calls for a parser whose format has a structural tag (None otherwise);
+    `functions`: each tool's parameters schema by name (None: no parameters)."""
+    if parser is None or parser.trigger is None or not functions:
         return None
-    functions: dict[str, dict[str, Any]] = {}
-    for tool in tools:
-        functions.setdefault(tool.function.name, tool.function.parameters or {"type": "object", "properties": {}})
-    return TaggedCalls(parser, functions, parallel=parallel)
+    schemas = {name: schema or {"type": "object", "properties": {}} for name, schema in functions.items()}
+    return TaggedCalls(parser, schemas, parallel=parallel)
