@@ -194,6 +194,8 @@ def test_the_op_table_takes_every_kernel():
         "apply_penalties",
         "apply_token_bitmask",
         "fused_moe",
+        "int4_linear",
+        "int4_linear_takes",
     }
     table = resolve_ops(ops)
     assert table.rms_norm is rms_norm and table.rotary_embedding is rotary_embedding
