@@ -27,32 +27,20 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.quantization.int4 import pack_int4_rows
 from omnirun.registry import select_platform
 
-GEMV_TILES = [  # N, K step, warps, stages, planes
+GEMV_TILES = [  # N, K step, warps, stages, planes (the nibble-plane kernel)
     (8, 1024, 4, 4, False),
-    (16, 512, 4, 4, False),
     (32, 256, 4, 4, False),
     (8, 1024, 4, 4, True),
-    (8, 512, 4, 4, True),
     (16, 512, 4, 4, True),
-    (16, 1024, 8, 4, True),
-    (32, 256, 4, 4, True),
     (64, 256, 4, 3, True),
-    (64, 128, 4, 4, True),
     (128, 128, 4, 3, True),
-    (128, 256, 8, 3, True),
 ]
 GEMM_TILES = [  # M, N, K step, warps, stages, planes
     (64, 128, 64, 4, 3, False),
-    (128, 128, 64, 8, 3, False),
-    (32, 64, 256, 4, 3, True),
-    (64, 64, 256, 4, 3, True),
-    (64, 128, 128, 4, 3, True),
     (64, 128, 256, 4, 3, True),
-    (64, 128, 256, 8, 3, True),
     (128, 128, 256, 8, 3, True),
     (128, 128, 128, 8, 4, True),
     (128, 256, 128, 8, 3, True),
-    (256, 128, 128, 8, 3, True),
 ]
 
 
