@@ -76,12 +76,20 @@ def _fp8_bits(x, E4M3: tl.constexpr):
 
 
 @triton.jit
+def _scaled(x, scale):
+    """float32 x / scale rounded to nearest; NaN as it is (the GPU's division makes every NaN the positive one, and
+    torch's cast keeps the sign)."""
+    f = _f32(x)
+    return tl.where(f == f, tl.math.div_rn(f, scale), f)
+
+
+@triton.jit
 def _cast(x, dtype: tl.constexpr, KIND: tl.constexpr, scale):
     """`x` as the cache stores it: fp8 bits of x / scale, or x cast to `dtype` (unscaled caches)."""
     if KIND == 1:  # _E4M3_BITS
-        y = _fp8_bits(tl.math.div_rn(_f32(x), scale), True)
+        y = _fp8_bits(_scaled(x, scale), True)
     elif KIND == 2:  # _E5M2_BITS
-        y = _fp8_bits(tl.math.div_rn(_f32(x), scale), False)
+        y = _fp8_bits(_scaled(x, scale), False)
     elif x.dtype == dtype:
         y = x
     else:

@@ -56,8 +56,8 @@ def test_a_kept_fp8_model_gives_the_dequantized_model_s_tokens(tmp_path, block):
         kept.close()
 
     class NoFp8Kernel(CudaPlatform):
-        def device_fused_ops(self):
-            return {name: op for name, op in super().device_fused_ops().items() if name != "fp8_linear"}
+        def fused_ops(self):  # the op and its hooks (prepare_fp8_linear, fp8_linear_takes)
+            return {name: op for name, op in super().fused_ops().items() if "fp8_linear" not in name}
 
     dequantized = make_runner(NoFp8Kernel(), tmp_path, dtype="bfloat16")
     try:
