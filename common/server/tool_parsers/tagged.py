@@ -47,16 +47,16 @@ class TaggedCalls:
 
     def __init__(self, parser: ToolParser, functions: dict[str, dict[str, Any]], *, parallel: bool = True) -> None:
         self.trigger = parser.trigger
-        self._begins = {parser.call_begin(name): name for name in functions}
-        self._end = parser.call_end
+        self.begins = {parser.call_begin(name): name for name in functions}
+        self.end = parser.call_end
         tags = [
             {
                 "type": "tag",
                 "begin": begin,
                 "content": {"type": "json_schema", "json_schema": functions[name]},
-                "end": self._end,
+                "end": self.end,
             }
-            for begin, name in self._begins.items()
+            for begin, name in self.begins.items()
         ]
         structure = {
             "type": "triggered_tags",
@@ -131,14 +131,14 @@ class TaggedCallStream:
             self._text, self._state = calls.trigger + after, "header"
             return True
         if self._state == "header":
-            for begin, name in calls._begins.items():
+            for begin, name in calls.begins.items():
                 if self._text.startswith(begin):
                     self._out.call(ToolCall(name, ""))  # whitespace before a call is not content
                     out.append(ToolCallDelta(self.calls, calls.new_call_id(), name, ""))
                     self.calls += 1
                     self._text, self._state, self._arguments = self._text[len(begin) :], "arguments", JsonValueEnd()
                     return True
-            if any(begin.startswith(self._text) for begin in calls._begins):
+            if any(begin.startswith(self._text) for begin in calls.begins):
                 return False  # still one of the headers
             out += self._out.content(calls.trigger)  # not a call after all (text the grammar did not shape)
             self._text, self._state = self._text[len(calls.trigger) :], "text"
@@ -154,10 +154,10 @@ class TaggedCallStream:
             self._text, self._state = self._text[at:], "end"
             return True
         # end: the rest of the call's closing text, then free text again
-        if len(self._text) < len(calls._end) and calls._end.startswith(self._text):
+        if len(self._text) < len(calls.end) and calls.end.startswith(self._text):
             return False
-        if self._text.startswith(calls._end):
-            self._text = self._text[len(calls._end) :]
+        if self._text.startswith(calls.end):
+            self._text = self._text[len(calls.end) :]
             out.append(CallDone(self.calls - 1))
         self._state = "text"
         return True
