@@ -11,8 +11,8 @@ would be read as its first element), float32/bfloat16/float16; bias [N]. The wei
 IPEXWeightOnlyQuantizedLinear: that module guesses whether the weight is transposed from `shape[0] != in_features`,
 wrong for square weights.
 
-What it is given (else the platform's fallback, the torch-native reference: the portable Triton fp8 kernel is not
-among the portable ops):
+What it is given (`fp8_linear_takes`: bfloat16 models without blocks; the other layers are dequantized at load,
+since the fallback would be the torch-native reference, the portable Triton fp8 kernel not being a portable op):
 - per-row scales only, no blocks. A checkpoint's per-tensor scale (expanded to rows at load) goes in as B_scale. Rows
   of different scales (per-channel checkpoints, a fused q|k|v of several per-tensor scales) run with B_scale 1 and
   are scaled after, in float32: only in bfloat16, whose range holds the unscaled sums (float16's may not).

@@ -15,7 +15,8 @@ IPEX (intel/intel-extension-for-pytorch, read at tags v2.8.10+xpu and v2.5.10+xp
   forward is ignored for int4: ours is added after. (v2.5.10 always takes XeTLA, and sets it as torch.xpu's compute
   engine for the process.)
 
-What it is given (else the op takes the platform's fallback, the portable Triton kernel or the reference):
+What it is given (else the platform's fallback, the portable Triton kernel; a layer neither takes is dequantized at
+load, `int4_linear_takes`; a scale float16 cannot hold, known only once loaded, runs the fallback or the reference):
 - bfloat16 or float16 rows: XeTLA computes float32 rows in half (XEGEMM_INT4.cpp: `input.to(kHalf)`).
 - Group sizes XeTLA has kernels for, dividing K (XEGEMM_INT4.h: supported_gzs; XeInt4Dequantize.h: "reduce-dim
   must be divisible by group size"; oneDNN counts k / group_size groups), K a multiple of 128 (the smallest k tile
