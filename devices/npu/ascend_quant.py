@@ -50,9 +50,12 @@ class AscendInt4Weight:
     group_size: int  # antiquant_group_size: 0 for one group per row (per-channel mode)
 
 
-def _kernel_group_size(groups: int, group_size: int) -> int | None:
-    """antiquant_group_size for our groups, None where the kernel has no mode for them."""
-    if groups == 1:
+def _kernel_group_size(out_features: int, in_features: int, group_size: int) -> int | None:
+    """antiquant_group_size for a layer of these dimensions and groups, None where the kernel does not take it."""
+    # npu_convert_weight_to_int4pack packs the last dimension (N of [K, N]) by 8.
+    if out_features % 8 or max(in_features, out_features) > DIM_LIMIT:
+        return None
+    if -(-in_features // group_size) == 1:
         return 0  # per channel: scale (1, N)
     if group_size % GROUP_STEP:
         return None
@@ -67,11 +70,9 @@ def ascend_int4_ops(torch_npu: Any, soc: str) -> dict[str, Callable[..., Any]]:
     def prepare_int4_linear(
         weight_packed: torch.Tensor, weight_scale: torch.Tensor, weight_zero_point: torch.Tensor, group_size: int
     ) -> AscendInt4Weight | None:
-        out_features, in_features = weight_packed.shape[0], weight_packed.shape[1] * 8
-        kernel_group = _kernel_group_size(weight_scale.shape[1], group_size)
-        # npu_convert_weight_to_int4pack packs the last dimension (N of [K, N]) by 8.
-        if kernel_group is None or out_features % 8 or max(in_features, out_features) > DIM_LIMIT:
-            return None  # the reference runs this layer
+        kernel_group = _kernel_group_size(weight_packed.shape[0], weight_packed.shape[1] * 8, group_size)
+        if kernel_group is None:
+            return None  # the reference runs this layer (int4_linear_takes declines it: never kept)
         # Unpacked, signed, laid [K, N] and repacked by the vendor, as vllm-ascend re-lays compressed-tensors' words,
         # our layout (vllm_ascend/quantization/kernels/mixed_precision/npu.py, AscendwNa16LinearKernel).
         signed = (native_ops.unpack_int4_rows(weight_packed) - 8).t().contiguous()  # int32 [K, N] in [-8, 7]
@@ -113,9 +114,7 @@ def ascend_int4_ops(torch_npu: Any, soc: str) -> dict[str, Callable[..., Any]]:
     def int4_linear_takes(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
         # What prepare_int4_linear makes a kernel form of, in the dtypes the kernel computes: the rest is dequantized
         # at load rather than run the reference, which dequantizes at every call.
-        groups = -(-k // group_size)
-        fits = _kernel_group_size(groups, group_size) is not None and n % 8 == 0 and max(n, k) <= DIM_LIMIT
-        return dtype in HALF_DTYPES and fits
+        return dtype in HALF_DTYPES and _kernel_group_size(n, k, group_size) is not None
 
     return {
         "int4_linear": int4_linear,
