@@ -2,7 +2,8 @@
 projections (q|k|v, o, gate|up, down), per batch size: milliseconds for all four over `--layers` copies of the
 weights (more than the L2 cache holds), replayed in a device graph as a decode step runs them, and the int4 floor
 (the packed words', scales' and zero points' bytes ÷ the measured copy bandwidth). `--sweep` also times the
-kernel's candidate tiles at each batch (GEMV tiles up to 16 rows, GEMM tiles above) and prints the fastest.
+kernel's candidate tiles and K splits at each batch (GEMV tiles up to 16 rows, GEMM tiles at every batch) and
+prints the fastest.
 
     python bench/int4_linear.py --device cuda --preset llama-3-8b-awq --batch-sizes 1 4 16 64 256 1024 --sweep \
         --json bench/results/h100_int4_linear.json
@@ -27,20 +28,27 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.quantization.int4 import pack_int4_rows
 from omnirun.registry import select_platform
 
-GEMV_TILES = [  # N, K step, warps, stages, planes (the nibble-plane kernel)
-    (8, 1024, 4, 4, False),
-    (32, 256, 4, 4, False),
-    (8, 1024, 4, 4, True),
-    (16, 512, 4, 4, True),
-    (64, 256, 4, 3, True),
-    (128, 128, 4, 3, True),
+GEMV_TILES = [  # N, K step, warps, stages, K splits (None: the launcher's choice); one row never splits K
+    (8, 1024, 4, 4, None),
+    (8, 512, 4, 4, None),
+    (16, 1024, 4, 4, None),
+    (32, 256, 4, 4, 1),
+    (32, 128, 4, 4, 1),
+    (32, 128, 4, 4, None),
+    (32, 128, 4, 4, 8),
+    (16, 128, 4, 4, None),
+    (64, 128, 4, 4, None),
+    (32, 128, 2, 4, None),
 ]
-GEMM_TILES = [  # M, N, K step, warps, stages, planes
-    (64, 128, 64, 4, 3, False),
-    (64, 128, 256, 4, 3, True),
-    (128, 128, 256, 8, 3, True),
-    (128, 128, 128, 8, 4, True),
-    (128, 256, 128, 8, 3, True),
+GEMM_TILES = [  # M, N, K step, warps, stages, K splits
+    (64, 128, 64, 4, 3, 1),
+    (64, 128, 64, 4, 3, None),
+    (64, 128, 128, 4, 3, None),
+    (64, 64, 128, 4, 4, None),
+    (32, 64, 128, 4, 4, None),
+    (128, 128, 64, 8, 3, None),
+    (128, 64, 128, 4, 3, None),
+    (128, 256, 64, 8, 3, None),
 ]
 
 
@@ -114,18 +122,20 @@ def main() -> None:
             tiles = {}
             candidates = []
             if bs <= kernels.GEMV_MAX_ROWS:
-                for n, k, warps, stages, planes in GEMV_TILES:
+                for n, k, warps, stages, split in GEMV_TILES:
+                    if bs > 1 and k > 256 or bs == 1 and split is not None:
+                        continue
                     op = functools.partial(
-                        kernels.gemv, block_n=n, block_k=k, num_warps=warps, num_stages=stages, planes=planes
+                        kernels.gemv, block_n=n, block_k=k, num_warps=warps, num_stages=stages, split_k=split
                     )
-                    candidates.append((f"gemv{'P' if planes else ''} N{n} K{k} w{warps} s{stages}", k, op))
-            for m, n, k, warps, stages, planes in GEMM_TILES:
+                    candidates.append((f"gemv N{n} K{k} w{warps} s{stages} split{split or 'A'}", k, op))
+            for m, n, k, warps, stages, split in GEMM_TILES if bs > 1 else []:
                 op = functools.partial(
-                    kernels.gemm, block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, planes=planes
+                    kernels.gemm, block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, split_k=split
                 )
-                candidates.append((f"gemm{'P' if planes else ''} M{m} N{n} K{k} w{warps} s{stages}", k, op))
+                candidates.append((f"gemm M{m} N{n} K{k} w{warps} s{stages} split{split or 'A'}", k, op))
             for name, k, op in candidates:
-                if kernels.fits(group, k):
+                if kernels.fits(group, k, bs):
                     tiles[name] = graph_ms(platform, functools.partial(run, x, functools.partial(int4_linear, op=op)))
             best = min(tiles, key=tiles.get)
             print(f"      fastest: {best} {tiles[best]:.3f} ms; " + ", ".join(f"{k} {v:.3f}" for k, v in tiles.items()))

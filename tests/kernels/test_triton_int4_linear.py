@@ -1,8 +1,8 @@
 """The Triton `int4_linear` kernel against the op's torch reference (omnirun.layers.native_ops.int4_linear), which
-dequantizes as a load does: one row (CUDA-core reduction, 1024-input K steps), 5 and 16 rows (16-row dots, steps of
-256), 70 rows (the GEMM's tiles, steps of 64); groups of 32 and 128 (several per K step, or a step inside one); N
-and K that leave partial tiles and a partial last group; zero points over the whole 0..15 range. Within bf16
-rounding of the output and of the dequantized weight. Without a GPU the kernel runs in Triton's interpreter."""
+dequantizes as a load does: one row (CUDA-core reduction, 1024-input K steps holding several groups of 32 or part
+of one of 128), 5 and 16 rows (16-row dots, K steps inside one group), 70 rows (the GEMM's tiles); K split over
+programs; bf16 and fp16 activations; N and K that leave partial tiles and a partial last group; zero points over the
+whole 0..15 range. Within 16-bit rounding of the output. Without a GPU the kernel runs in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -34,15 +34,16 @@ def _to(*tensors):
     return tuple(t.to(DEVICE) if t is not None else None for t in tensors)
 
 
-def _check(rows: int, group: int, kernel, **tiles) -> None:
+def _check(rows: int, group: int, kernel, dtype=torch.bfloat16, **tiles) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + group)
     packed, scale, zero = _weight(N, K, group, gen)
-    x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(N, generator=gen).to(torch.bfloat16)
-    got = kernel(*_to(x, packed, scale, zero, bias), group, **tiles).cpu().float()
+    x = torch.randn(rows, K, generator=gen).to(dtype)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    got = kernel(*_to(x, packed, scale, zero, bias), group, **tiles).cpu()
+    assert got.dtype == dtype
     expected = native_ops.int4_linear(x.float(), packed, scale, zero, bias.float(), group)
-    # bf16 output (2^-8 relative) and, for the dots, the weight rounded to bf16 before the product
-    torch.testing.assert_close(got, expected, atol=3e-2, rtol=1.6e-2)
+    # the output rounded to 16 bits (2^-8 relative for bf16); the kernel multiplies the exact dequantized weight
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -54,6 +55,14 @@ def test_gemv_equals_the_reference(rows, group):
 @pytest.mark.parametrize("group", [32, 128])
 def test_gemm_equals_the_reference(group):
     _check(70, group, kernels.gemm, block_m=32, block_n=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "kernel", "split_k"), [(5, kernels.gemv, 3), (70, kernels.gemm, 2)])
+def test_k_split_over_programs_adds_up_to_the_reference(rows, kernel, split_k, dtype):
+    """Each split of K writes a float32 partial sum (the bias in the first alone); groups of 64, 16-bit nibble
+    conversion for both activation dtypes (bf16: 128 + q, fp16: 1024 + q)."""
+    _check(rows, 64, kernel, dtype=dtype, split_k=split_k)
 
 
 def test_a_k_step_inside_one_group_and_the_op_s_dispatch():
@@ -69,5 +78,5 @@ def test_a_k_step_inside_one_group_and_the_op_s_dispatch():
             assert got.shape == (2, rows, 96) and got.dtype == dtype
             expected = native_ops.int4_linear(x.to(dtype).float(), packed, scale, zero, None, 32)
             torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=1.6e-2)
-    with pytest.raises(ValueError, match="groups of 48"):
-        kernels.gemv(*_to(x[0].to(torch.bfloat16), packed, scale, zero, None), 48)
+    with pytest.raises(ValueError, match="groups of 40"):  # no K step of 16 or more lies in a group of 40
+        kernels.gemv(*_to(x[0].to(torch.bfloat16), packed, scale, zero, None), 40)
