@@ -134,6 +134,8 @@ def main() -> None:
                     kernels.gemm, block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, split_k=split
                 )
                 candidates.append((f"gemm M{m} N{n} K{k} w{warps} s{stages} split{split or 'A'}", k, op))
+            if bs > 1:
+                candidates.append(("dequantize, then linear", group, kernels.dequantized_linear))
             for name, k, op in candidates:
                 if kernels.fits(group, k, bs):
                     tiles[name] = graph_ms(platform, functools.partial(run, x, functools.partial(int4_linear, op=op)))

@@ -80,3 +80,20 @@ def test_a_k_step_inside_one_group_and_the_op_s_dispatch():
             torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=1.6e-2)
     with pytest.raises(ValueError, match="groups of 40"):  # no K step of 16 or more lies in a group of 40
         kernels.gemv(*_to(x[0].to(torch.bfloat16), packed, scale, zero, None), 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dequantized_weight_is_the_reference_s(dtype):
+    """Many rows: the weight dequantized by a kernel (the same float32 products, rounded once to x's dtype), then the
+    device's matmul; the reference's own result, bit for bit where the rounding is the device's (float32 here, both
+    on a GPU; the interpreter truncates its bf16 casts)."""
+    gen = torch.Generator().manual_seed(7)
+    packed, scale, zero = _weight(N, K, 128, gen)
+    x = torch.randn(40, K, generator=gen).to(dtype)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    got = kernels.dequantized_linear(*_to(x, packed, scale, zero, bias), 128).cpu()
+    expected = native_ops.int4_linear(*_to(x, packed, scale, zero, bias), 128).cpu()
+    if dtype == torch.float32 or DEVICE.type != "cpu":
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=1.6e-2)

@@ -132,6 +132,73 @@ def _int4_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _dequantize_kernel(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_on,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a divisor of GROUP
+):
+    """out [N, K] = (q - z) * s, rounded once to out's dtype (the reference's weight)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    n_mask = offs_n < N
+    words = tl.load(
+        w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 // 8 + offs_w)[None, :],
+        mask=n_mask[:, None] & (k0 + offs_w * 8 < K)[None, :],
+        other=0,
+    )
+    q = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+    s = tl.load(s_ptr + offs_n.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_mask, other=0.0)
+    z = tl.load(z_ptr + offs_n.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_mask, other=0).to(tl.int32)
+    w = _float32_nibbles(q, z[:, None]) * s[:, None]
+    kk = k0 + tl.arange(0, BLOCK_K)
+    out = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + kk[None, :]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (kk < K)[None, :])
+
+
+def dequantized_linear(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """x [M, K] times the weight dequantized into a scratch [N, K] of x's dtype, then the device's own matmul: past
+    a few hundred rows the GEMM library's tiles beat unpacking the weight in every row tile (vLLM's AWQ path does
+    the same from 256 tokens: awq_dequantize, then matmul)."""
+    n, k = weight_packed.shape[0], x.shape[1]
+    if scale.stride() != zero_point.stride() or scale.stride(1) != 1:
+        raise ValueError("int4 scales and zero points must be contiguous [N, groups] alike")
+    weight = torch.empty(n, k, dtype=x.dtype, device=x.device)
+    block_k = k_step(group_size, 128)
+    _dequantize_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_k))](
+        weight_packed,
+        scale,
+        zero_point,
+        weight,
+        n,
+        k,
+        weight_packed.stride(0),
+        scale.stride(0),
+        weight.stride(0),
+        GROUP=group_size,
+        BLOCK_N=32,
+        BLOCK_K=block_k,
+    )
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def fits(group_size: int, block_k: int, rows: int = 2) -> bool:
     """Whether a K step of `block_k` serves groups of `group_size`: the dots take steps inside one group; the
     one-row reduction also takes steps of whole groups."""
