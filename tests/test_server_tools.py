@@ -232,11 +232,10 @@ def test_a_parser_whose_marker_is_a_special_token_keeps_special_tokens_in_the_te
     assert [p.skip_special_tokens for p in seen] == [not keeps]
 
 
-def test_auto_calls_under_the_grammar_stream_their_arguments_in_pieces(llm):
-    """hermes has a structural tag: its `auto` calls run under the grammar, so a call's arguments are sent as they
-    come (several pieces), not whole once the call closes as a parser of unconstrained text must."""
-    text, _, calls = SCRIPTS["hermes"]
-    with serving(llm, "hermes", text) as client:
+def _assert_arguments_stream_in_pieces(llm, parser: str) -> None:
+    """The first call's arguments reach the client in several chunks, and the chunks assemble into the message."""
+    text, _, calls = SCRIPTS[parser]
+    with serving(llm, parser, text) as client:
         with client.chat.completions.stream(**_scripted_request(text)) as stream:
             chunks = [event.chunk for event in stream if event.type == "chunk"]
             final = stream.get_final_completion()
@@ -244,3 +243,16 @@ def test_auto_calls_under_the_grammar_stream_their_arguments_in_pieces(llm):
     assert len([d for d in pieces if d.function.arguments]) > 1
     assert json.loads("".join(d.function.arguments or "" for d in pieces)) == calls[0][1]
     assert _calls(final.choices[0].message) == calls
+
+
+def test_auto_calls_under_the_grammar_stream_their_arguments_in_pieces(llm):
+    """hermes has a structural tag: its `auto` calls run under the grammar, so a call's arguments are sent as they
+    come (several pieces)."""
+    _assert_arguments_stream_in_pieces(llm, "hermes")
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_calls_read_without_a_grammar_stream_their_arguments_in_pieces_too(llm, parser):
+    """llama3_json and mistral read unconstrained text: a call is sent once its header is read, its arguments as
+    they come."""
+    _assert_arguments_stream_in_pieces(llm, parser)

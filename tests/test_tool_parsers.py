@@ -1,6 +1,7 @@
 """The tool call parsers on fixed model texts: each format's documented examples, several calls, content around
-them, JSON that is not a call staying content; and streamed, the text cut into random pieces gives deltas that
-assemble into the finished message's parse."""
+them, JSON that is not a call staying content, a call whose header was read standing whatever follows; and
+streamed, the text cut into random pieces gives deltas that assemble into the finished message's parse, a call's
+arguments (llama3_json, mistral) in pieces as they come."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from omnirun.errors import ConfigError
 from omnirun.server.tool_parsers import TOOL_PARSERS, ToolCall, get_tool_parser
+from omnirun.server.tool_parsers.base import CallDone, finished
 
 
 def call(name: str, **arguments) -> ToolCall:
@@ -29,6 +31,11 @@ NESTED = call(
     note='a "quote } [TOOL_CALLS] <tool_call> é',
     after="{",
 )
+
+
+def written(name: str, arguments: str) -> ToolCall:
+    """A call whose arguments are the model's text, whatever it is (a begun call keeps what was streamed)."""
+    return ToolCall(name, arguments)
 
 
 def _json(c: ToolCall, key: str = "arguments") -> str:
@@ -94,12 +101,18 @@ LLAMA3_JSON = {
     "no calls": ("It is sunny in Paris.", "It is sunny in Paris.", []),
     "text before is no call": ("Sure: " + _json(TIME, "parameters"), "Sure: " + _json(TIME, "parameters"), []),
     "a json answer": ('{"answer": 42, "unit": "{°C}"}', '{"answer": 42, "unit": "{°C}"}', []),
-    "invalid json": ('{"name": "f", "parameters": {\'a\': 1}}', '{"name": "f", "parameters": {\'a\': 1}}', []),
-    "both argument keys": (
+    "invalid json before the arguments": ('{"name": f, "parameters": {}}', '{"name": f, "parameters": {}}', []),
+    "keys in another order": ('{"parameters": {}, "name": "f"}', '{"parameters": {}, "name": "f"}', []),
+    "arguments not an object": ('{"name": "f", "parameters": "x"}', '{"name": "f", "parameters": "x"}', []),
+    # once the header is read the call stands (a stream has sent it): its arguments as written, the rest content
+    "invalid json in the arguments": ('{"name": "f", "parameters": {\'a\': 1}}', None, [written("f", "{'a': 1}")]),
+    "a key after the arguments": (
         '{"name": "f", "parameters": {}, "arguments": {}}',
-        '{"name": "f", "parameters": {}, "arguments": {}}',
-        [],
+        ', "arguments": {}}',
+        [written("f", "{}")],
     ),
+    "cut inside the arguments": ('{"name": "f", "parameters": {"a": "}', None, [written("f", '{"a": "}')]),
+    "cut before the object's end": (_json(TIME, "parameters")[:-1] + " ", None, [TIME]),
     "a call, then no call": (
         _json(TIME, "parameters") + '; {"name": 7}',
         '; {"name": 7}',
@@ -115,15 +128,19 @@ MISTRAL = {
     "several calls": ("[TOOL_CALLS][" + _json(WEATHER) + ", " + _json(NESTED) + "]", None, [WEATHER, NESTED]),
     "text before": ("Checking. [TOOL_CALLS] [" + _json(TIME) + "]\n", "Checking. ", [TIME]),
     "no calls": ("No tools needed [TOOL_ here.", "No tools needed [TOOL_ here.", []),
-    "invalid json": (
+    "invalid json before a call": ('[TOOL_CALLS] [{"name": f}]', '[TOOL_CALLS] [{"name": f}]', []),
+    "an empty list": ("[TOOL_CALLS] [] ok", "[TOOL_CALLS] [] ok", []),
+    # once a header is read the call stands (a stream has sent it): its arguments as written, the rest content
+    "no object end after the arguments": (
         '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1},]',
-        '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1},]',
-        [],
+        ",]",
+        [written("f", '{"a": 1}')],
     ),
-    "an item is no call": (
-        "[TOOL_CALLS] [" + _json(TIME) + ', {"name": "g"}]',
-        "[TOOL_CALLS] [" + _json(TIME) + ', {"name": "g"}]',
-        [],
+    "an item is no call": ("[TOOL_CALLS] [" + _json(TIME) + ', {"name": "g"}]', ', {"name": "g"}]', [TIME]),
+    "cut inside the arguments": (
+        '[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1',
+        None,
+        [written("f", '{"a": [1')],
     ),
     "no list after the marker": ("[TOOL_CALLS] get_time{}", "[TOOL_CALLS] get_time{}", []),
     "cut inside the list": ('[TOOL_CALLS] [{"name": "f"', '[TOOL_CALLS] [{"name": "f"', []),
@@ -141,8 +158,8 @@ MISTRAL = {
     "v11 markers skipped": ("[TOOL_CALLS]get_time" + TIME.arguments, None, [TIME]),
     "v11 name no call": ("[TOOL_CALLS]get time[ARGS]{}", "[TOOL_CALLS]get time[ARGS]{}", []),
     "v11 arguments no object": ("[TOOL_CALLS]f[ARGS][1, 2]", "[TOOL_CALLS]f[ARGS][1, 2]", []),
-    "v11 invalid json": ('[TOOL_CALLS]f[ARGS]{"a": 1,}', '[TOOL_CALLS]f[ARGS]{"a": 1,}', []),
-    "v11 cut inside the arguments": ('[TOOL_CALLS]f[ARGS]{"a": "}', '[TOOL_CALLS]f[ARGS]{"a": "}', []),
+    "v11 invalid json": ('[TOOL_CALLS]f[ARGS]{"a": 1,}', None, [written("f", '{"a": 1,}')]),
+    "v11 cut inside the arguments": ('[TOOL_CALLS]f[ARGS]{"a": "}', None, [written("f", '{"a": "}')]),
 }
 
 CASES = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL}
@@ -196,6 +213,70 @@ def test_streamed_pieces_assemble_into_the_parse(parser, case, seed):
     content, calls = get_tool_parser(parser).parse(text)
     pieces = _pieces(text, random.Random(seed) if seed is not None else None)
     assert _assemble(parser, pieces) == (content or "", calls)
+
+
+# Two calls per format whose arguments the stream sends in pieces, the first with NESTED's arguments.
+STREAMED = {
+    "llama3_json": "<|python_tag|>" + _json(NESTED, "parameters") + "; " + _json(TIME, "parameters"),
+    "mistral": "[TOOL_CALLS] [" + _json(NESTED) + ", " + _json(TIME) + "]",
+    "mistral v11": f"[TOOL_CALLS]write_file[CALL_ID]a1B2c3D4e[ARGS]{NESTED.arguments}[TOOL_CALLS]get_time{{}}",
+}
+
+
+@pytest.mark.parametrize("case", STREAMED)
+@pytest.mark.parametrize("seed", [None, 0, 1, 2])
+def test_a_calls_arguments_stream_in_pieces_as_they_come(case, seed):
+    text, parser = STREAMED[case], case.split()[0]
+    start = text.index(NESTED.arguments)
+    closed = start + len(NESTED.arguments)  # where the first call's arguments end
+    stream, fed, named_at, sent, deltas = get_tool_parser(parser).stream(), 0, None, "", 0
+    for piece in _pieces(text, random.Random(seed) if seed is not None else None):
+        delta = stream.feed(piece)
+        fed += len(piece)
+        for d in (d for d in delta.tool_calls if d.index == 0):
+            named_at = fed if d.name is not None else named_at
+            sent, deltas = sent + d.arguments, deltas + bool(d.arguments)
+        if named_at is not None:  # all of the arguments the text holds so far is sent, nothing held back
+            assert sent == text[start : min(fed, closed)]
+    assert named_at is not None and named_at < closed  # the name went out before the arguments closed
+    assert deltas > 1 and sent == NESTED.arguments
+    assert stream.calls == 2
+
+
+def _all_pieces(parser: str, text: str) -> list:
+    stream, pieces = get_tool_parser(parser).stream(), []
+    chunks = _pieces(text, random.Random(0))
+    for i, chunk in enumerate(chunks):
+        pieces += stream.pieces(chunk, last=i == len(chunks) - 1)
+    return pieces
+
+
+@pytest.mark.parametrize("case", STREAMED)
+def test_a_message_cut_inside_the_arguments_ends_with_the_call_cut(case):
+    """As OpenAI's: the call keeps the arguments sent, and is not done (the Responses API's item is incomplete)."""
+    text, parser = STREAMED[case], case.split()[0]
+    whole = _all_pieces(parser, text)
+    assert [p for p in whole if isinstance(p, CallDone)] == [CallDone(0), CallDone(1)]
+    cut = text.index(NESTED.arguments) + 20
+    pieces = _all_pieces(parser, text[:cut])
+    assert finished(pieces) == (None, [written(NESTED.name, NESTED.arguments[:20])])
+    assert not [p for p in pieces if isinstance(p, CallDone)]
+
+
+def test_a_begun_call_stands_when_its_object_goes_on_and_what_follows_is_content():
+    stream = get_tool_parser("llama3_json").stream()
+    head = stream.feed('{"name": "get_time", "parameters": {"zone": "C')
+    assert [(d.index, d.name, d.arguments) for d in head.tool_calls] == [(0, "get_time", '{"zone": "C')]
+    assert [d.arguments for d in stream.feed('ET"}').tool_calls] == ['ET"}']
+    rest = stream.feed(', "strict": true}; {"name": "f", "parameters": {}}', last=True)
+    assert rest.content == ', "strict": true}; {"name": "f", "parameters": {}}' and not rest.tool_calls
+    assert stream.calls == 1
+
+    stream = get_tool_parser("mistral").stream()
+    head = stream.feed('[TOOL_CALLS] [{"name": "get_time", "arguments": {}')
+    assert [(d.name, d.arguments) for d in head.tool_calls] == [("get_time", "{}")]
+    rest = stream.feed(', "strict": true}]', last=True)
+    assert rest.content == ', "strict": true}]' and not rest.tool_calls and stream.calls == 1
 
 
 def test_a_stream_sends_content_at_once_and_holds_back_only_what_may_begin_a_call():

@@ -23,9 +23,9 @@ engine produces text), response.output_text.done, response.content_part.done, re
 response.completed with the whole response (as vLLM does, also when it stopped at max_output_tokens, with status
 incomplete). Forced calls stream each as response.output_item.added (the function_call, arguments empty),
 response.function_call_arguments.delta (as the engine produces them), response.function_call_arguments.done and
-response.output_item.done. Parsed calls stream the same way, beside the message's events for the text: under the
-grammar (a parser with a structural tag, as chat) each as its arguments come, else each once the parser has it whole
-(its arguments in one delta). An engine error mid-stream is an `error` event with chat's
+response.output_item.done. Parsed calls stream the same way, beside the message's events for the text, each as its
+arguments come (under the grammar where the parser's format has a structural tag, as chat; hermes without it sends
+each call whole, its arguments in one delta). An engine error mid-stream is an `error` event with chat's
 error body, and ends the stream.
 """
 
@@ -88,8 +88,9 @@ from omnirun.server.responses_protocol import (
 )
 from omnirun.server.state import ServerState
 from omnirun.server.structured import Constraint, ForcedCalls, json_schema, named_call, only_one, required_calls
-from omnirun.server.tool_parsers import ToolCall, ToolCallDelta, ToolParser
-from omnirun.server.tool_parsers.tagged import CallDone, TaggedCalls, TaggedCallStream, tagged_calls
+from omnirun.server.tool_parsers import ToolCallDelta, ToolParser
+from omnirun.server.tool_parsers.base import CallDone
+from omnirun.server.tool_parsers.tagged import TaggedCalls, tagged_calls
 from omnirun.structured import GrammarSpec
 
 _ROLES = ("user", "assistant", "system", "developer")
@@ -394,39 +395,30 @@ async def _stream_calls(
 class _ParsedItems:
     """The output items of a text read by a tool call parser (tool_choice auto), in the text's order, with the stream
     events that build them, one item done before the next is added (as OpenAI streams them): a message for a run of
-    content (the text before the calls, as models write it), and a function_call item per call: whole when the
-    parser finds it (a call is sent once its JSON is whole and valid), or, under the grammar (TaggedCalls), added
-    once its header is read and its arguments streamed as they come (a call cut by max_output_tokens is then an
-    incomplete item). The scanner hands back content and calls in order, whatever the pieces the text came in: the
-    stream and the finished response agree."""
+    content (the text before the calls, as models write it), and a function_call item per call, added once its
+    header is read and its arguments streamed as they come (all at once where the parser reads a call whole: hermes
+    without the grammar), done at CallDone; a call cut by max_output_tokens is an incomplete item. The parser's
+    stream hands back content and call pieces in order, whatever the pieces the text came in: the stream and the
+    finished response agree."""
 
     def __init__(self, event: _Events, parser: ToolParser | TaggedCalls) -> None:
-        self._event, self._parser = event, parser
-        # A parser's scanner hands back whole calls; under the grammar (TaggedCalls) a call comes in pieces.
-        self._scanner = parser.stream() if isinstance(parser, TaggedCalls) else parser.scanner()
+        self._event = event
+        self._stream = parser.stream()
         self.items: list[OutputItem] = []
         self._message: OutputMessage | None = None  # the open one, content arriving
         self._where: dict[str, Any] = {}
         self._call_at = -1  # the output index of the call whose arguments are arriving
 
     def feed(self, text: str, *, last: bool) -> list[str]:
-        if isinstance(self._scanner, TaggedCallStream):
-            pieces = self._scanner.pieces(text, last=last)
-        else:
-            pieces = self._scanner.feed(text) if text else []
-            if last:
-                pieces += self._scanner.finish()
         events = []
-        for piece in pieces:
+        for piece in self._stream.pieces(text, last=last):
             if isinstance(piece, str):
                 events += self._text(piece)
-            elif isinstance(piece, ToolCall):
-                events += self._open_call(piece.name) + self._arguments(piece.arguments) + self._close_call()
             elif isinstance(piece, CallDone):
                 events += self._close_call()
-            elif piece.name is not None:
-                events += self._open_call(piece.name)
             else:
+                if piece.name is not None:  # a call's first piece: its id and name (and maybe arguments)
+                    events += self._open_call(piece.id, piece.name)
                 events += self._arguments(piece.arguments)
         return events
 
@@ -446,11 +438,9 @@ class _ParsedItems:
         message.content[0].text += text
         return [*events, self._event(TextDeltaEvent, **self._where, delta=text)] if text else events
 
-    def _open_call(self, name: str) -> list[str]:
+    def _open_call(self, call_id: str, name: str) -> list[str]:
         events = self._close_message("completed")
-        item = FunctionCallItem(
-            id=new_item_id("fc"), call_id=self._parser.new_call_id(), name=name, arguments="", status="in_progress"
-        )
+        item = FunctionCallItem(id=new_item_id("fc"), call_id=call_id, name=name, arguments="", status="in_progress")
         self.items.append(item)
         self._call_at = at = len(self.items) - 1
         events.append(self._event(OutputItemEvent, type="response.output_item.added", output_index=at, item=item))

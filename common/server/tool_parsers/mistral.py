@@ -8,10 +8,15 @@ only), the [ARGS] token, and its arguments as a JSON object:
 
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}
 
-Text before [TOOL_CALLS] (or after the list or a call) is content; a list that is not valid JSON, or holds anything
-but calls, and a v11 call whose name or arguments are not one, stay content with their marker. Call ids are 9
-letters and digits, as Mistral's chat templates require of the ids sent back to them ("Tool call IDs should be
-alphanumeric strings with length 9!"); a v11 model's own id is not kept.
+Text before [TOOL_CALLS] (or after the list or a call) is content. A call begins once its header is read: a list
+item's `{"name": "<name>", "arguments": {` (the keys in that order), or v11's name and markers up to the arguments'
+`{`; a stream then sends its name, and its arguments as they come, up to where their JSON value closes (the model's
+own text, unchecked). Text that never becomes a call stays content, its marker with it: no list after the marker,
+a first item that is no call's header, a v11 name or markers that are not one. What a stream has sent cannot be
+taken back, so the calls before stay calls: from a later item that is no call (its "," with it), or from anything
+but `}` and "," or "]" after a call's arguments, the text is content; a message cut inside the arguments ends with
+them cut. Call ids are 9 letters and digits, as Mistral's chat templates require of the ids sent back to them ("Tool
+call IDs should be alphanumeric strings with length 9!"); a v11 model's own id is not kept.
 Sources: vLLM's vllm/entrypoints/openai/tool_parsers/mistral_tool_parser.py (the pre-v11 format, and the ids, after
 mistral_common's validator), examples/tool_chat_template_mistral.jinja, and mistral_common's
 InstructTokenizerV11/V13 `_encode_tool_calls_in_assistant_message` (the v11+ tokens, in that order).
@@ -26,15 +31,14 @@ import secrets
 import string
 
 from omnirun.server.tool_parsers.base import (
+    ArgumentsReader,
+    CallBegins,
     ContentAround,
     Piece,
-    ToolCall,
     ToolParser,
-    call_from_object,
-    loads_json,
     split_at_marker,
 )
-from omnirun.server.tool_parsers.json_scan import JsonValueEnd
+from omnirun.server.tool_parsers.json_scan import read_call_header
 
 MARKER = "[TOOL_CALLS]"
 # v11+: a function name as OpenAI allows them, then optionally [CALL_ID] and the model's id, then [ARGS] (tokenizers
@@ -42,94 +46,106 @@ MARKER = "[TOOL_CALLS]"
 _HEADER = re.compile(r"(?P<name>[A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]+)?(?:\[ARGS\])?")
 _MAYBE_HEADER = re.compile(r"[A-Za-z0-9_\-\[\]]{1,128}")  # what the text before "{" may hold while undecided
 _NAME_START = re.compile(r"[A-Za-z0-9_-]")
+# Before v11: a list item's end after its arguments, the object's "}" then "," or the list's "]"
+_ITEM_END = re.compile(r"[ \t\n\r]*\}(?P<next>[ \t\n\r]*[,\]])")
+_MAYBE_ITEM_END = re.compile(r"[ \t\n\r]*(?:\}[ \t\n\r]*)?")
 _ID_CHARACTERS = string.ascii_letters + string.digits
 
 
 class MistralScanner:
     def __init__(self) -> None:
-        self._state = "text"  # text, lead (after the marker), list; v11+: header (name and markers), arguments
+        # text, lead (after the marker); before v11: item (a list item's header), arguments, item_end; v11+: header
+        # (name and markers), arguments
+        self._state = "text"
         self._text = ""  # not decided yet
-        self._lead = ""  # whitespace between the marker and the list, or (v11+) the call's name and markers
-        self._name = ""  # (v11+) the name of the call whose arguments are being read
-        self._end = JsonValueEnd()
-        self._scanned = 0
+        self._lead = ""  # before an item: what is content if no call follows (the marker and "[", or a ",")
+        self._in_list = False  # the arguments being read are a list item's
+        self._arguments = ArgumentsReader()
         self._out = ContentAround()
 
     def feed(self, text: str) -> list[Piece]:
         self._text += text
         pieces: list[Piece] = []
-        while True:
-            if self._state == "text":
-                before, after, held = split_at_marker(self._text, MARKER)
-                pieces += self._out.content(before)
-                if after is None:
-                    self._text = held
-                    return pieces
-                self._state, self._text = "lead", after
-            elif self._state == "lead":
-                if _NAME_START.match(self._text):  # v11+: the name right after the marker
-                    self._state, self._lead = "header", ""
-                    continue
-                rest = self._text.lstrip()
-                if not rest:
-                    return pieces
-                if rest[0] != "[":  # no list after the marker: content, marker and all
-                    pieces += self._out.content(MARKER)
-                    self._state = "text"
-                    continue
-                self._lead, self._text = self._text[: len(self._text) - len(rest)], rest
-                self._state, self._end, self._scanned = "list", JsonValueEnd(), 0
-            elif self._state == "header":  # v11+: name[CALL_ID]id[ARGS] up to the arguments' "{"
-                brace = self._text.find("{")
-                header = self._text if brace < 0 else self._text[:brace]
-                if brace < 0 and _MAYBE_HEADER.fullmatch(header):
-                    return pieces  # it may still become one
-                found = _HEADER.fullmatch(header) if brace >= 0 else None
-                if found is None:  # not a call: content, marker and all
-                    pieces += self._out.content(MARKER)
-                    self._state = "text"
-                    continue
-                self._name, self._lead, self._text = found["name"], header, self._text[brace:]
-                self._state, self._end, self._scanned = "arguments", JsonValueEnd(), 0
-            else:  # the list (before v11) or the arguments object (v11+): where its JSON ends
-                end = self._end.feed(self._text[self._scanned :])
-                if end < 0:
-                    self._scanned = len(self._text)
-                    return pieces
-                end += self._scanned
-                value, self._text = self._text[:end], self._text[end:]
-                calls = _calls(value) if self._state == "list" else _call(self._name, value)
-                pieces += self._out.calls(calls) if calls else self._out.content(MARKER + self._lead + value)
+        while self._step(pieces):
+            pass
+        return pieces
+
+    def _step(self, pieces: list[Piece]) -> bool:
+        """Move on through what the text decides; False once it decides nothing more."""
+        if self._state == "text":
+            before, after, held = split_at_marker(self._text, MARKER)
+            pieces += self._out.content(before)
+            if after is None:
+                self._text = held
+                return False
+            self._state, self._text = "lead", after
+        elif self._state == "lead":
+            if _NAME_START.match(self._text):  # v11+: the name right after the marker
+                self._state = "header"
+                return True
+            rest = self._text.lstrip()
+            if not rest:
+                return False
+            if rest[0] != "[":  # no list after the marker: content, marker and all
+                pieces += self._out.content(MARKER)
                 self._state = "text"
+                return True
+            self._lead = MARKER + self._text[: len(self._text) - len(rest) + 1]
+            self._state, self._text = "item", rest[1:]
+        elif self._state == "header":  # v11+: name[CALL_ID]id[ARGS] up to the arguments' "{"
+            brace = self._text.find("{")
+            header = self._text if brace < 0 else self._text[:brace]
+            if brace < 0 and _MAYBE_HEADER.fullmatch(header):
+                return False  # it may still become one
+            found = _HEADER.fullmatch(header) if brace >= 0 else None
+            if found is None:  # not a call: content, marker and all
+                pieces += self._out.content(MARKER)
+                self._state = "text"
+                return True
+            self._begin(pieces, found["name"], self._text[brace:], in_list=False)
+        elif self._state == "item":  # before v11: a list item's `{"name": ..., "arguments": {`
+            name, end = read_call_header(self._text, ("arguments",))
+            if end == 0:
+                return False
+            if end < 0:  # no call: content from the item on, with what led to it
+                pieces += self._out.content(self._lead)
+                self._state = "text"
+                return True
+            self._begin(pieces, name, self._text[end - 1 :], in_list=True)
+        elif self._state == "arguments":
+            more, rest = self._arguments.feed(self._text)
+            pieces += more
+            if rest is None:
+                self._text = ""
+                return False
+            self._state, self._text = "item_end" if self._in_list else "text", rest
+        else:  # item_end: the call object's "}", then the next item or the list's end
+            found = _ITEM_END.match(self._text)
+            if found is None and _MAYBE_ITEM_END.fullmatch(self._text):
+                return False
+            if found is None:  # the call stands (it was sent); what follows its arguments is content
+                self._state = "text"
+            elif found["next"].endswith("]"):
+                self._state, self._text = "text", self._text[found.end() :]
+            else:
+                self._state, self._lead, self._text = "item", found["next"], self._text[found.end() :]
+        return True
+
+    def _begin(self, pieces: list[Piece], name: str, arguments: str, *, in_list: bool) -> None:
+        """A call's header is read: the call begins, its arguments (from their "{") are read next."""
+        pieces += self._out.call(CallBegins(name))
+        self._state, self._text, self._in_list, self._arguments = "arguments", arguments, in_list, ArgumentsReader()
 
     def finish(self) -> list[Piece]:
         rest, self._text = self._text, ""
-        if self._state != "text":  # the text ended after the marker, before the list did
-            rest = MARKER + self._lead + rest
+        if self._state in ("lead", "header"):  # the text ended after the marker, before a call began
+            rest = MARKER + rest
+        elif self._state == "item":
+            rest = self._lead + rest
+        elif self._state == "item_end":  # only the end of the last call's object (its "}") was missing
+            rest = ""
         self._state = "text"
         return self._out.content(rest) + self._out.finish()
-
-
-def _call(name: str, arguments: str) -> list[ToolCall]:
-    """(v11+) The call of `name` with `arguments`; none unless they are a valid JSON object."""
-    try:
-        value = loads_json(arguments)
-    except ValueError:
-        return []
-    call = call_from_object({"name": name, "arguments": value})
-    return [call] if call is not None else []
-
-
-def _calls(text: str) -> list[ToolCall]:
-    """The calls of a JSON list of them; none unless the list is valid JSON and every item is a call."""
-    try:
-        value = loads_json(text)
-    except ValueError:
-        return []
-    if not isinstance(value, list):
-        return []
-    calls = [call_from_object(item) for item in value]
-    return calls if calls and None not in calls else []
 
 
 class MistralParser(ToolParser):

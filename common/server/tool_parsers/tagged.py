@@ -2,8 +2,8 @@
 trigger), from there a call the grammar keeps well-formed, `begin(name)` + arguments matching that tool's parameters
 schema + `end`, then free text again (xgrammar's triggered structural tag; SGLang constrains `auto` calls the same
 way). Because every call that begins is sure to parse, the stream sends a call's id and name as soon as its header
-is complete and its arguments in pieces as they come (OpenAI's `delta.tool_calls[i].function.arguments`), where a
-parser reading unconstrained text must hold each call back until its JSON is whole.
+is complete and its arguments in pieces as they come (OpenAI's `delta.tool_calls[i].function.arguments`), where
+hermes reading unconstrained text holds each call back until its JSON is whole.
 
 The arguments are the model's own text (valid JSON by the grammar), in the stream and in the finished message
 alike, so the two agree; a message cut by max_tokens inside a call ends with that call's arguments cut (as OpenAI's
@@ -13,30 +13,22 @@ grammar) stays content.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from omnirun.server.tool_parsers.base import (
+    CallDone,
     ContentAround,
     ParsedDelta,
+    StreamPiece,
     ToolCall,
     ToolCallDelta,
     ToolParser,
+    finished,
     openai_call_id,
     split_at_marker,
 )
 from omnirun.server.tool_parsers.json_scan import JsonValueEnd
 from omnirun.structured import GrammarSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class CallDone:
-    """The call of this index ended (its closing text read): the Responses API then closes its item."""
-
-    index: int
-
-
-TaggedPiece = str | ToolCallDelta | CallDone  # what the stream hands back, in the text's order
 
 
 class TaggedCalls:
@@ -75,14 +67,7 @@ class TaggedCalls:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished message: the stream's pieces put together."""
-        delta = self.stream().feed(text, last=True)
-        calls: list[ToolCall] = []
-        for piece in delta.tool_calls:
-            if piece.name is not None:
-                calls.append(ToolCall(piece.name, piece.arguments))
-            else:
-                calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments + piece.arguments)
-        return (delta.content or None) if calls else delta.content, calls
+        return finished(self.stream().pieces(text, last=True))
 
 
 class TaggedCallStream:
@@ -99,15 +84,13 @@ class TaggedCallStream:
 
     def feed(self, text: str, *, last: bool = False) -> ParsedDelta:
         """The next text delta read, as chat streams it: content, and the call pieces."""
-        pieces = self.pieces(text, last=last)
-        content = "".join(piece for piece in pieces if isinstance(piece, str))
-        return ParsedDelta(content, tuple(piece for piece in pieces if isinstance(piece, ToolCallDelta)))
+        return ParsedDelta.of(self.pieces(text, last=last))
 
-    def pieces(self, text: str, *, last: bool = False) -> list[TaggedPiece]:
+    def pieces(self, text: str, *, last: bool = False) -> list[StreamPiece]:
         """The next text delta read, in the text's order: content strings, call pieces (a call's first names it),
         and the end of each call."""
         self._text += text
-        out: list[TaggedPiece] = []
+        out: list[StreamPiece] = []
         while self._step(out):
             pass
         if last:
@@ -119,7 +102,7 @@ class TaggedCallStream:
             out += self._out.finish()
         return out
 
-    def _step(self, out: list[TaggedPiece]) -> bool:
+    def _step(self, out: list[StreamPiece]) -> bool:
         """Move on through what the text decides; False once it decides nothing more."""
         calls = self._calls
         if self._state == "text":
