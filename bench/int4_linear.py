@@ -136,9 +136,14 @@ def main() -> None:
                 candidates.append((f"gemm M{m} N{n} K{k} w{warps} s{stages} split{split or 'A'}", k, op))
             if bs > 1:
                 candidates.append(("dequantize, then linear", group, kernels.dequantized_linear))
+            errors = {}
             for name, k, op in candidates:
                 if kernels.fits(group, k, bs):
                     tiles[name] = graph_ms(platform, functools.partial(run, x, functools.partial(int4_linear, op=op)))
+                    errors[name] = relative_error(x, layers[-1], functools.partial(int4_linear, op=op), bf16_linear)
+            worst = max(errors, key=errors.get)
+            print(f"      largest error against bf16 on the dequantized weight: {worst} {errors[worst]:.2e}")
+            row["errors"] = errors
             best = min(tiles, key=tiles.get)
             print(f"      fastest: {best} {tiles[best]:.3f} ms; " + ", ".join(f"{k} {v:.3f}" for k, v in tiles.items()))
             row["tiles"] = tiles
@@ -146,6 +151,13 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def relative_error(x, layer, op, reference) -> float:
+    """max |op - reference| / max |reference| on one layer (each candidate tile checked as it is timed)."""
+    rows = x[:, : layer[0].shape[1]]
+    expected = reference(rows, layer).float()
+    return ((op(rows, layer).float() - expected).abs().max() / expected.abs().max()).item()
 
 
 def native_dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
