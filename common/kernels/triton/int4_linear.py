@@ -118,11 +118,14 @@ def _int4_kernel(
             s = tl.load(s_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0.0)
             z = tl.load(z_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0).to(tl.int32)
             q = tl.reshape(q, (BLOCK_N, BLOCK_K))
-            if INTERPRETED:  # the interpreter's dot multiplies 16-bit floats' raw bits: give it float32
-                part = tl.dot(x.to(tl.float32), tl.trans(_float32_nibbles(q, z[:, None])))
+            dtype: tl.constexpr = x_ptr.dtype.element_ty
+            if INTERPRETED and dtype == tl.bfloat16:  # the interpreter's bfloat16 bitcasts are wrong: float32
+                w = _float32_nibbles(q, z[:, None])
             else:
-                dtype: tl.constexpr = x_ptr.dtype.element_ty
                 w = _16bit_nibbles(q, dtype, MAGIC_16) - _16bit_nibbles(z, dtype, MAGIC_16)[:, None]  # q - z, exact
+            if INTERPRETED:  # the interpreter's dot multiplies 16-bit floats' raw bits: give it float32
+                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+            else:
                 part = tl.dot(x, tl.trans(w))
             acc += part * s[None, :]
     if HAS_BIAS:
