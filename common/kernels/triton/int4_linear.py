@@ -381,6 +381,9 @@ def takes(out_features: int, in_features: int, group_size: int, dtype: torch.dty
 
 # Rows up to which the GEMV tiles serve: above, 64-row tiles read each weight tile for more rows.
 GEMV_MAX_ROWS = 16
+# Rows from which the weight is dequantized whole, then multiplied by the device's matmul (prefill, large batches):
+# vLLM's AWQ threshold (256 tokens), not yet measured here.
+DEQUANTIZE_MIN_ROWS = 256
 
 
 def int4_linear(
@@ -399,6 +402,9 @@ def int4_linear(
     if x.dtype not in (torch.bfloat16, torch.float16) or group_size % 16 or rows.shape[0] == 0:
         # float32 models, and groups no published checkpoint has (e.g. 40): the reference, correct but not fast
         return native_ops.int4_linear(x, weight_packed, weight_scale, weight_zero_point, bias, group_size)
-    kernel = gemv if rows.shape[0] <= GEMV_MAX_ROWS else gemm
+    if rows.shape[0] >= DEQUANTIZE_MIN_ROWS:
+        kernel = dequantized_linear
+    else:
+        kernel = gemv if rows.shape[0] <= GEMV_MAX_ROWS else gemm
     out = kernel(rows, weight_packed, weight_scale, weight_zero_point, bias, group_size)
     return out.reshape(*x.shape[:-1], weight_packed.shape[0])
