@@ -30,25 +30,20 @@ from omnirun.registry import select_platform
 
 GEMV_TILES = [  # N, K step, warps, stages, K splits (None: the launcher's choice); one row never splits K
     (8, 1024, 4, 4, None),
-    (8, 512, 4, 4, None),
     (16, 1024, 4, 4, None),
     (32, 256, 4, 4, 1),
     (32, 128, 4, 4, 1),
     (32, 128, 4, 4, None),
-    (32, 128, 4, 4, 8),
     (16, 128, 4, 4, None),
     (64, 128, 4, 4, None),
-    (32, 128, 2, 4, None),
 ]
 GEMM_TILES = [  # M, N, K step, warps, stages, K splits
     (64, 128, 64, 4, 3, 1),
-    (64, 128, 64, 4, 3, None),
     (64, 128, 128, 4, 3, None),
     (64, 64, 128, 4, 4, None),
     (32, 64, 128, 4, 4, None),
     (128, 128, 64, 8, 3, None),
     (128, 64, 128, 4, 3, None),
-    (128, 256, 64, 8, 3, None),
 ]
 
 
