@@ -2,8 +2,8 @@
 projections (q|k|v, o, gate|up, down), per batch size: milliseconds for all four over `--layers` copies of the
 weights (more than the L2 cache holds), replayed in a device graph as a decode step runs them, and the int4 floor
 (the packed words', scales' and zero points' bytes ÷ the measured copy bandwidth). `--sweep` also times the
-kernel's candidate tiles and K splits at each batch (GEMV tiles up to 16 rows, GEMM tiles at every batch) and
-prints the fastest.
+candidates at each batch (GEMV tiles at one row; GEMM tiles, K splits and the dequantized weight above), checks each
+one's output against bf16 on the dequantized weight, and prints the fastest.
 
     python bench/int4_linear.py --device cuda --preset llama-3-8b-awq --batch-sizes 1 4 16 64 256 1024 --sweep \
         --json bench/results/h100_int4_linear.json
@@ -28,14 +28,10 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.quantization.int4 import pack_int4_rows
 from omnirun.registry import select_platform
 
-GEMV_TILES = [  # N, K step, warps, stages, K splits (None: the launcher's choice); one row never splits K
-    (8, 1024, 4, 4, None),
-    (16, 1024, 4, 4, None),
-    (32, 256, 4, 4, 1),
-    (32, 128, 4, 4, 1),
-    (32, 128, 4, 4, None),
-    (16, 128, 4, 4, None),
-    (64, 128, 4, 4, None),
+GEMV_TILES = [  # one row: N, K step, warps, stages
+    (16, 1024, 4, 4),
+    (8, 1024, 4, 4),
+    (32, 512, 4, 4),
 ]
 GEMM_TILES = [  # M, N, K step, warps, stages, K splits
     (64, 128, 64, 4, 3, 1),
@@ -116,14 +112,10 @@ def main() -> None:
         if args.sweep:
             tiles = {}
             candidates = []
-            if bs <= kernels.GEMV_MAX_ROWS:
-                for n, k, warps, stages, split in GEMV_TILES:
-                    if bs > 1 and k > 256 or bs == 1 and split is not None:
-                        continue
-                    op = functools.partial(
-                        kernels.gemv, block_n=n, block_k=k, num_warps=warps, num_stages=stages, split_k=split
-                    )
-                    candidates.append((f"gemv N{n} K{k} w{warps} s{stages} split{split or 'A'}", k, op))
+            if bs == 1:
+                for n, k, warps, stages in GEMV_TILES:
+                    op = functools.partial(kernels.gemv, block_n=n, block_k=k, num_warps=warps, num_stages=stages)
+                    candidates.append((f"gemv N{n} K{k} w{warps} s{stages}", k, op))
             for m, n, k, warps, stages, split in GEMM_TILES if bs > 1 else []:
                 op = functools.partial(
                     kernels.gemm, block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, split_k=split

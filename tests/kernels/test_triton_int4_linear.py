@@ -1,8 +1,9 @@
-"""The Triton `int4_linear` kernel against the op's torch reference (omnirun.layers.native_ops.int4_linear), which
-dequantizes as a load does: one row (CUDA-core reduction, 1024-input K steps holding several groups of 32 or part
-of one of 128), 5 and 16 rows (16-row dots, K steps inside one group), 70 rows (the GEMM's tiles); K split over
-programs; bf16 and fp16 activations; N and K that leave partial tiles and a partial last group; zero points over the
-whole 0..15 range. Within 16-bit rounding of the output. Without a GPU the kernel runs in Triton's interpreter."""
+"""The Triton `int4_linear` kernels against the op's torch reference (omnirun.layers.native_ops.int4_linear),
+which dequantizes as a load does: one row (CUDA-core reduction, 1024-input K steps holding several groups of 32 or
+part of one of 128); 5, 16 and 70 rows (the GEMM's dots, K steps inside one group); K split over programs; the
+weight dequantized whole, then a matmul; bf16 and fp16 activations; N and K that leave partial tiles and a partial
+last group; zero points over the whole 0..15 range. Within 16-bit rounding of the output. Without a GPU the kernels
+run in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -47,9 +48,14 @@ def _check(rows: int, group: int, kernel, dtype=torch.bfloat16, **tiles) -> None
 
 
 @pytest.mark.parametrize("group", [32, 128])
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_gemv_equals_the_reference(rows, group):
-    _check(rows, group, kernels.gemv)
+def test_gemv_equals_the_reference(group):
+    _check(1, group, kernels.gemv)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("rows", [5, 16])
+def test_gemm_of_a_few_rows_equals_the_reference(rows, group):
+    _check(rows, group, kernels.gemm)
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -58,11 +64,11 @@ def test_gemm_equals_the_reference(group):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("rows", "kernel", "split_k"), [(5, kernels.gemv, 3), (70, kernels.gemm, 2)])
-def test_k_split_over_programs_adds_up_to_the_reference(rows, kernel, split_k, dtype):
+@pytest.mark.parametrize(("rows", "split_k"), [(5, 3), (70, 2)])
+def test_k_split_over_programs_adds_up_to_the_reference(rows, split_k, dtype):
     """Each split of K writes a float32 partial sum (the bias in the first alone); groups of 64, 16-bit nibble
     conversion for both activation dtypes (bf16: 128 + q, fp16: 1024 + q)."""
-    _check(rows, 64, kernel, dtype=dtype, split_k=split_k)
+    _check(rows, 64, kernels.gemm, dtype=dtype, split_k=split_k)
 
 
 def test_a_k_step_inside_one_group_and_the_op_s_dispatch():
@@ -79,7 +85,9 @@ def test_a_k_step_inside_one_group_and_the_op_s_dispatch():
             expected = native_ops.int4_linear(x.to(dtype).float(), packed, scale, zero, None, 32)
             torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=1.6e-2)
     with pytest.raises(ValueError, match="groups of 40"):  # no K step of 16 or more lies in a group of 40
-        kernels.gemv(*_to(x[0, :3].to(torch.bfloat16), packed, scale, zero, None), 40)
+        kernels.gemm(*_to(x[0, :3].to(torch.bfloat16), packed, scale, zero, None), 40)
+    with pytest.raises(ValueError, match="one row"):
+        kernels.gemv(*_to(x[0, :3].to(torch.bfloat16), packed, scale, zero, None), 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,27 +1,27 @@
 """Linear layers on 4-bit weights kept packed (W4A16: AWQ and GPTQ checkpoints in the layout
-omnirun.layers.linear.Int4Weights holds): the op table's `int4_linear` as one portable Triton kernel.
+omnirun.layers.linear.Int4Weights holds): the op table's `int4_linear` in Triton.
 
 The weight is int32 [N, K / 8] (eight consecutive inputs a word, the lowest bits first), with float32 scales and
-uint8 zero points [N, groups] over groups of GROUP consecutive inputs. Each program reads a [BLOCK_N, BLOCK_K / 8]
-tile of words and unpacks the nibbles in registers, then:
-- one row (decode): multiplies by x and reduces along K on the CUDA cores; the layer costs its int4 bytes (a quarter
-  of bf16's, plus a scale and zero point per group);
-- several rows: runs tensor-core dots on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, accumulating in float32.
+uint8 zero points [N, groups] over groups of GROUP consecutive inputs. By rows of x:
+- one row (decode, `gemv`): each program reads a [BLOCK_N, BLOCK_K / 8] tile of words, unpacks the nibbles in
+  registers, multiplies by x and reduces along K on the CUDA cores;
+- up to DEQUANTIZE_MIN_ROWS (`gemm`): tensor-core dots on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, the weight
+  tile unpacked once per BLOCK_M rows; a few rows make few output tiles, so K is split over programs too, each
+  writing a float32 partial sum that one sum adds up (deterministic, no atomics);
+- more (prefill, large batches; `dequantized_linear`): the weight dequantized whole into a scratch of x's dtype, then
+  the device's own matmul.
 
-The nibbles become numbers without a conversion instruction (int -> float conversions run at a quarter of the
-CUDA cores' rate or less, and were the kernel's bottleneck past one row): OR-ing a nibble q into the low mantissa
-bits of 2^23 (float32), 128 (bfloat16) or 1024 (float16) gives that power plus q exactly, and subtracting the
-power plus the zero point leaves q - z, an exact small integer (the "magic number" conversion of FasterTransformer
-and Marlin; Kim et al., "Who Says Elephants Can't Run", arXiv:2211.10017). The scale multiplies each group's partial
-sum, not each weight, so the weight tile needs no arithmetic past that one subtraction, and the products are those
-of the unrounded dequantized weight.
+The nibbles become numbers without a conversion instruction (int -> float conversions issue at a fraction of the
+CUDA cores' rate, and each weight element paid one per row tile): OR-ing a nibble q into the low mantissa bits of
+2^23 (float32), 128 (bfloat16) or 1024 (float16) gives that power plus q exactly, and subtracting the power plus the
+zero point leaves q - z, an exact small integer (the "magic number" conversion of FasterTransformer and Marlin; Kim
+et al., "Who Says Elephants Can't Run", arXiv:2211.10017). The scale multiplies each group's partial product, not
+each weight, so a weight tile needs no arithmetic past that one subtraction, and the products are those of the
+unrounded dequantized weight.
 
-Past one row a weight tile is unpacked once per BLOCK_M rows, and a batch of a few rows has few output tiles: with
-SPLIT_K > 1 the programs also split K, each writing a float32 partial sum that one sum adds up (deterministic, no
-atomics).
-
-Interpreter-safe: Triton's interpreter multiplies 16-bit floats' raw bits in tl.dot and truncates float32 ->
-bfloat16 casts, so there the dots take the float32 form (omnirun.kernels.triton.modes.INTERPRETED).
+Interpreter-safe: Triton's interpreter multiplies 16-bit floats' raw bits in tl.dot, truncates float32 -> bfloat16
+casts and bitcasts bfloat16 wrongly, so there the dots take float32 inputs and bfloat16 models float32 nibbles
+(omnirun.kernels.triton.modes.INTERPRETED).
 """
 
 from __future__ import annotations
@@ -279,7 +279,8 @@ def processors(device: torch.device) -> int:
     key = (device.type, device.index or 0)
     if key not in _PROCESSORS:
         properties = triton.runtime.driver.active.utils.get_device_properties(key[1])
-        _PROCESSORS[key] = properties["multiprocessor_count"]
+        # CUDA's and HIP's drivers name it so; a backend that does not gets no K split rather than an error
+        _PROCESSORS[key] = properties.get("multiprocessor_count", 1)
     return _PROCESSORS[key]
 
 
@@ -290,12 +291,6 @@ def splits_for(tiles: int, steps: int, device: torch.device) -> int:
     while tiles * split * 2 <= 2 * processors(device) and steps // (split * 2) >= 4:
         split *= 2
     return split
-
-
-# Tiles measured best on an H100 (bench/int4_linear.py --sweep): one row reduces 1,024-input K steps on the CUDA
-# cores; 2 to 16 rows run 16-row dots.
-ONE_ROW_LAUNCH = dict(block_n=8, block_k=1024)
-FEW_ROWS_LAUNCH = dict(block_n=32, block_k=256)
 
 
 def k_step(group_size: int, preferred: int, rows: int = 2) -> int:
@@ -316,15 +311,16 @@ def gemv(
     bias: torch.Tensor | None,
     group_size: int,
     *,
-    block_n: int | None = None,
-    block_k: int | None = None,
+    block_n: int = 16,
+    block_k: int = 1024,
     num_warps: int = 4,
     num_stages: int = 4,
-    split_k: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16, bf16/fp16) times the 4-bit weight: one row on the CUDA cores, more on 16-row dots."""
-    block_m = 1 if x.shape[0] == 1 else 16
-    launch = ONE_ROW_LAUNCH if block_m == 1 else FEW_ROWS_LAUNCH
+    """x [1, K] (bf16/fp16) times the 4-bit weight on the CUDA cores (decode at batch 1). The default tile was the
+    fastest of the H100 sweep (bench/results/h100_int4_linear_sweep_magic_46dd126.json: 0.451 ms for N 16 against
+    0.575 for N 8)."""
+    if x.shape[0] != 1:
+        raise ValueError(f"the int4 GEMV takes one row, not {x.shape[0]}: use gemm")
     return _launch(
         x,
         weight_packed,
@@ -332,12 +328,12 @@ def gemv(
         zero_point,
         bias,
         group_size,
-        block_m=block_m,
-        block_n=block_n or launch["block_n"],
-        block_k=block_k or k_step(group_size, launch["block_k"], block_m),
+        block_m=1,
+        block_n=block_n,
+        block_k=k_step(group_size, block_k, 1),
         num_warps=num_warps,
         num_stages=num_stages,
-        split_k=split_k if block_m > 1 else 1,
+        split_k=1,
     )
 
 
@@ -351,12 +347,14 @@ def gemm(
     *,
     block_m: int = 64,
     block_n: int = 128,
-    block_k: int | None = None,
+    block_k: int = 128,
     num_warps: int = 4,
     num_stages: int = 3,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (many rows, bf16/fp16) times the 4-bit weight on tensor-core dots."""
+    """x [M, K] (bf16/fp16) times the 4-bit weight on tensor-core dots, K split as `splits_for` says unless given.
+    The default tile was the fastest of the H100 sweep at 4, 16 and 64 rows (1.06, 1.06 and 1.09 ms for the four
+    projections x 4 layers, against 1.13, 1.10 and 1.14 for 16-row tiles or 64-input K steps)."""
     return _launch(
         x,
         weight_packed,
@@ -366,7 +364,7 @@ def gemm(
         group_size,
         block_m=block_m,
         block_n=block_n,
-        block_k=block_k or k_step(group_size, 64),
+        block_k=k_step(group_size, block_k),
         num_warps=num_warps,
         num_stages=num_stages,
         split_k=split_k,
@@ -379,11 +377,11 @@ def takes(out_features: int, in_features: int, group_size: int, dtype: torch.dty
     return dtype in (torch.bfloat16, torch.float16) and group_size % 16 == 0
 
 
-# Rows up to which the GEMV tiles serve: above, 64-row tiles read each weight tile for more rows.
-GEMV_MAX_ROWS = 16
-# Rows from which the weight is dequantized whole, then multiplied by the device's matmul (prefill, large batches):
-# vLLM's AWQ threshold (256 tokens), not yet measured here.
-DEQUANTIZE_MIN_ROWS = 256
+# Rows from which the weight is dequantized whole, then multiplied by the device's matmul (prefill, large batches).
+# On the H100 sweep the GEMM took 1.09 ms at 64 rows and 3.43 at 256, dequantizing first 1.55 and 1.72: the GEMM
+# unpacks every weight tile once per 64 rows, so its cost grows by about a third of that difference per 64 rows,
+# and at 128 it would pass the dequantized path's (interpolated, 128 rows not measured).
+DEQUANTIZE_MIN_ROWS = 128
 
 
 def int4_linear(
@@ -402,9 +400,9 @@ def int4_linear(
     if x.dtype not in (torch.bfloat16, torch.float16) or group_size % 16 or rows.shape[0] == 0:
         # float32 models, and groups no published checkpoint has (e.g. 40): the reference, correct but not fast
         return native_ops.int4_linear(x, weight_packed, weight_scale, weight_zero_point, bias, group_size)
-    if rows.shape[0] >= DEQUANTIZE_MIN_ROWS:
-        kernel = dequantized_linear
+    if rows.shape[0] == 1:
+        kernel = gemv
     else:
-        kernel = gemv if rows.shape[0] <= GEMV_MAX_ROWS else gemm
+        kernel = gemm if rows.shape[0] < DEQUANTIZE_MIN_ROWS else dequantized_linear
     out = kernel(rows, weight_packed, weight_scale, weight_zero_point, bias, group_size)
     return out.reshape(*x.shape[:-1], weight_packed.shape[0])
