@@ -169,6 +169,12 @@ def _dequantize_kernel(
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (kk < K)[None, :])
 
 
+def _check_scales(scale: torch.Tensor, zero_point: torch.Tensor) -> None:
+    """The kernels index scales and zero points alike, by row stride and group."""
+    if scale.stride() != zero_point.stride() or scale.stride(1) != 1:
+        raise ValueError("int4 scales and zero points must be contiguous [N, groups] alike")
+
+
 def dequantized_linear(
     x: torch.Tensor,
     weight_packed: torch.Tensor,
@@ -177,12 +183,11 @@ def dequantized_linear(
     bias: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
-    """x [M, K] times the weight dequantized into a scratch [N, K] of x's dtype, then the device's own matmul: past
-    a few hundred rows the GEMM library's tiles beat unpacking the weight in every row tile (vLLM's AWQ path does
-    the same from 256 tokens: awq_dequantize, then matmul)."""
+    """x [M, K] times the weight dequantized into a scratch [N, K] of x's dtype, then the device's own matmul: from
+    DEQUANTIZE_MIN_ROWS rows the GEMM library's tiles beat unpacking the weight in every row tile (vLLM's AWQ path
+    does the same from 256 tokens: awq_dequantize, then matmul)."""
     n, k = weight_packed.shape[0], x.shape[1]
-    if scale.stride() != zero_point.stride() or scale.stride(1) != 1:
-        raise ValueError("int4 scales and zero points must be contiguous [N, groups] alike")
+    _check_scales(scale, zero_point)
     weight = torch.empty(n, k, dtype=x.dtype, device=x.device)
     block_k = k_step(group_size, 128)
     _dequantize_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_k))](
@@ -229,8 +234,7 @@ def _launch(
     n = weight_packed.shape[0]
     if not fits(group_size, block_k, block_m):
         raise ValueError(f"int4 groups of {group_size} and a K step of {block_k}: the step must lie in one group")
-    if scale.stride() != zero_point.stride() or scale.stride(1) != 1:
-        raise ValueError("int4 scales and zero points must be contiguous [N, groups] alike")
+    _check_scales(scale, zero_point)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     split_k = min(split_k or splits_for(tiles, steps, x.device), steps)
