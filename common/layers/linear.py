@@ -5,6 +5,7 @@ row-parallel (a block of the input columns, the partial products summed over the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -114,14 +115,7 @@ class Linear(nn.Module):
         """Whether the platform's quantized op computes this layer itself (`Ops.fp8_linear_takes`)."""
         if takes(self.out_features, self.in_features, layout, dtype):
             return True
-        logger.info(
-            "%s does not take a %d x %d layer (%s, %s) on this device: it is dequantized at load",
-            op,
-            self.out_features,
-            self.in_features,
-            layout,
-            str(dtype).removeprefix("torch."),
-        )
+        _say_dequantized(op, self.out_features, self.in_features, layout, str(dtype).removeprefix("torch."))
         return False
 
     def _holds_whole_groups(self, int4: Int4Weights) -> bool:
@@ -257,3 +251,16 @@ class RowParallelLinear(Linear):
         if not self.reduce:  # one rank: exactly the plain layer
             return self._matmul(x, self.bias)
         return self.comm.all_reduce(self._matmul(x, self.bias if self.add_bias else None))
+
+
+@functools.cache
+def _say_dequantized(op: str, out_features: int, in_features: int, layout: Any, dtype: str) -> None:
+    """One line per kind of layer a quantized op declines (a model has dozens of each)."""
+    logger.info(
+        "%s does not take %d x %d layers (%s, %s) on this device: they are dequantized at load",
+        op,
+        out_features,
+        in_features,
+        layout,
+        dtype,
+    )
