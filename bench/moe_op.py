@@ -3,15 +3,18 @@ decode path's GEMV per slot; `grouped`, the sorted grouped GEMMs) per batch size
 same run: the floor (the bytes of the experts the batch reaches, ÷ the copy bandwidth) and a matmul-only
 calibration in plain torch (each reached expert's two GEMMs on its routed tokens, gathered beforehand, in a graph).
 Every timing replays a device graph over `--layers` copies of the weights (more than the L2 cache holds), as a
-decode step runs its layers. `--sweep` also times each path's candidate tiles and prints the fastest per batch.
+decode step runs its layers. `--sweep` also times each path's candidate tiles and prints the fastest per batch;
+`--write-table` then writes the device's launch table (omnirun.kernels.triton.moe_tiles) from the sweep: the
+faster path per batch, and each path's fastest tiles, one bucket per swept batch size.
 
     python bench/moe_op.py --device cuda --preset qwen3-30b-a3b --batch-sizes 1 4 16 64 256 \
-        --json bench/results/h100_moe_op.json
+        --json bench/results/h100_moe_op.json [--sweep --write-table]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 
@@ -21,6 +24,7 @@ from graph_timing import graph_ms  # bench/: beside this script
 
 from omnirun.bandwidth import measure_bandwidth
 from omnirun.kernels.triton import moe
+from omnirun.kernels.triton.moe_tiles import TABLES, DecodeBucket, GroupedBucket, MoeTiles, dumps, table_name, tiles_for
 from omnirun.layers import native_ops
 from omnirun.loader.presets import preset_config
 from omnirun.models.architecture import decoder_shape
@@ -44,8 +48,44 @@ GROUPED_TILES = [
 ]
 
 
-def _one_tile(default, kernel, tile, slots):
-    return {**default(slots), kernel: tile}
+def candidates(path: str, decode: DecodeBucket):
+    """(kernel, tiles) of each candidate: the decode path's kernels varied one at a time, the other at its
+    table's tile; the grouped GEMMs' tile."""
+    if path == "grouped":
+        return [("tile", tile) for tile in GROUPED_TILES]
+    fixed = {"gate_up": decode.gate_up, "down": decode.down}
+    return [(kernel, {**fixed, kernel: tile}) for kernel, tiles in SLOT_TILES.items() for tile in tiles]
+
+
+def swept_table(rows: list[dict], experts: int, top_k: int) -> MoeTiles:
+    """The launch table a sweep measured: the decode path up to the largest batch where it was faster, and each
+    swept batch's fastest tiles as a bucket bounded by its slots."""
+
+    def fastest(row, prefix):
+        times = {k: v for k, v in row.items() if k.startswith(prefix)}
+        return tuple(int(n) for n in min(times, key=times.get).removeprefix(prefix).removesuffix("_ms").split("x"))
+
+    decode_wins = [row["batch"] * top_k for row in rows if row["by_slot_ms"] < row["grouped_ms"]]
+    decode = tuple(
+        DecodeBucket(row["batch"] * top_k, fastest(row, "by_slot_gate_up_"), fastest(row, "by_slot_down_"))
+        for row in rows
+        if any(k.startswith("by_slot_gate_up_") for k in row)
+    )
+    grouped = tuple(
+        GroupedBucket(-(-row["batch"] * top_k // experts), fastest(row, "grouped_tile_"))
+        for row in rows
+        if any(k.startswith("grouped_tile_") for k in row)
+    )
+    return MoeTiles(max(decode_wins, default=0) / experts, _distinct(decode), _distinct(grouped))
+
+
+def _distinct(buckets):
+    """Buckets whose bounds ascend (batches whose slots round to one bound keep the first)."""
+    out = []
+    for bucket in buckets:
+        if not out or dataclasses.astuple(bucket)[0] > dataclasses.astuple(out[-1])[0]:
+            out.append(bucket)
+    return tuple(out)
 
 
 def matmul_only(x, experts, w13s, w2s):
@@ -72,6 +112,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile of both paths")
     parser.add_argument("--sweep-slots-up-to", type=int, default=512, help="sweep the decode path's tiles this far")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--write-table", action="store_true", help=f"with --sweep: write this device's table into {TABLES}"
+    )
     args = parser.parse_args()
 
     platform = select_platform(args.device)
@@ -99,29 +142,29 @@ def main() -> None:
         row["matmul_only_ms"] = graph_ms(platform, calibration)
         expected = native_ops.fused_moe(x, logits, w13s[0], w2s[0], top_k, shape.moe.renormalize).float()
 
-        def run(x=x, logits=logits):
-            for w13, w2 in zip(w13s, w2s, strict=True):
-                moe.fused_moe(x, logits, w13, w2, top_k, shape.moe.renormalize)
+        table = tiles_for(platform.capabilities.device_name)
 
-        paths = {"by_slot": True, "grouped": False}
-        default_path, default_slot, default_tile = moe.by_slot, moe.slot_tiles, moe.grouped_tile
-        for path, forced in paths.items():
-            moe.by_slot = lambda slots, local, forced=forced: forced
-            got = moe.fused_moe(x, logits, w13s[0], w2s[0], top_k, shape.moe.renormalize).float()
+        def run(tiles, x=x, logits=logits):
+            for w13, w2 in zip(w13s, w2s, strict=True):
+                moe.fused_moe(x, logits, w13, w2, top_k, shape.moe.renormalize, tiles=tiles)
+
+        slots = batch * top_k
+        for path, forced in {"by_slot": float(slots), "grouped": 0.0}.items():  # the decode path's bound, forced
+            tiles = dataclasses.replace(table, decode_max_slots_per_expert=forced)
+            got = moe.fused_moe(x, logits, w13s[0], w2s[0], top_k, shape.moe.renormalize, tiles=tiles).float()
             row[f"{path}_max_error"] = (got - expected).abs().max().item()
-            row[f"{path}_ms"] = graph_ms(platform, run)
-            if not args.sweep or (path == "by_slot" and batch * top_k > args.sweep_slots_up_to):
+            row[f"{path}_ms"] = graph_ms(platform, functools.partial(run, tiles))
+            if not args.sweep or (path == "by_slot" and slots > args.sweep_slots_up_to):
                 continue
-            candidates = SLOT_TILES.items() if path == "by_slot" else [("tile", GROUPED_TILES)]
-            for kernel, tiles in candidates:  # one kernel's tile varied, the other's left at its default
-                for tile in tiles:
-                    if path == "by_slot":
-                        moe.slot_tiles = functools.partial(_one_tile, default_slot, kernel, tile)
-                    else:
-                        moe.grouped_tile = lambda slots, local, tile=tile: tile
-                    row[f"{path}_{kernel}_{'x'.join(map(str, tile))}_ms"] = graph_ms(platform, run)
-            moe.slot_tiles, moe.grouped_tile = default_slot, default_tile
-        moe.by_slot = default_path
+            for name, tile in candidates(path, tiles.slot_tiles(slots)):  # one kernel's tile varied at a time
+                if path == "by_slot":
+                    bucket = DecodeBucket(1 << 30, **tile)
+                    varied = dataclasses.replace(tiles, decode=(bucket,))
+                else:
+                    varied = dataclasses.replace(tiles, grouped=(GroupedBucket(1 << 30, tile),))
+                row[f"{path}_{name}_{'x'.join(map(str, tile if path == 'grouped' else tile[name]))}_ms"] = graph_ms(
+                    platform, functools.partial(run, varied)
+                )
         results.append(row)
         line = (
             f"bs={batch:4d} reached {reached:3d}: floor {floor_ms:7.3f} ms, matmul-only {row['matmul_only_ms']:7.3f}, "
@@ -136,6 +179,10 @@ def main() -> None:
             if tiles:
                 best = min(tiles, key=tiles.get)
                 print(f"    fastest {best}: {tiles[best]:.3f} ms  ({', '.join(f'{v:.3f}' for v in tiles.values())})")
+    if args.write_table:
+        path = TABLES / table_name(platform.capabilities.device_name)
+        path.write_text(dumps(swept_table(results, E, top_k)))
+        print(f"wrote {path}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

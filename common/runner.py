@@ -736,6 +736,9 @@ def _holds_scales(model: torch.nn.Module) -> Callable[[str], bool]:
 
 
 def _op_origin(op: Any) -> str:
-    """Where an op of the table comes from: the torch reference, or the module of a platform's kernel."""
+    """Where an op of the table comes from: the torch reference, or the module of a platform's kernel (through
+    functools.partial, which kernels are bound with)."""
+    while isinstance(op, functools.partial):
+        op = op.func
     module = getattr(op, "__module__", None) or "a platform kernel"
     return "reference" if module == "omnirun.layers.native_ops" else module

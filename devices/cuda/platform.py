@@ -122,7 +122,8 @@ class CudaPlatform(Platform):
 
             own["fp8_linear"] = fp8_linear.fp8_linear
             own["fp8_linear_takes"] = fp8_linear.takes
-        return {**(triton_fused_ops(pdl=True) if pdl else {}), **own}
+        portable = triton_fused_ops(pdl=True, device_name=self.capabilities.device_name) if pdl else {}
+        return {**portable, **own}
 
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'omnirun[cuda]' or '[rocm]')")
 
-from omnirun.kernels.triton import moe  # noqa: E402
 from omnirun.kernels.triton.moe import fused_moe, route, sort_slots  # noqa: E402
+from omnirun.kernels.triton.moe_tiles import MoeTiles  # noqa: E402
 from omnirun.layers import native_ops  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -33,7 +33,7 @@ def _inputs(tokens: int, hidden: int, inter: int, experts: int, dtype: torch.dty
 @pytest.fixture(params=["by_slot", "grouped"])
 def path(request, monkeypatch):
     """Each case through both paths: the decode path (a GEMV per slot) and the grouped GEMMs."""
-    monkeypatch.setattr(moe, "by_slot", lambda slots, local: request.param == "by_slot")
+    monkeypatch.setattr(MoeTiles, "by_slot", lambda self, slots, local: request.param == "by_slot")
     return request.param
 
 
@@ -120,3 +120,22 @@ def test_a_mixture_of_experts_model_through_the_kernel_equals_hf(tmp_path):
         assert greedy_generate(runner, [prompt], 6) == [hf_greedy(hf, prompt, 6)]
     finally:
         runner.close()
+
+
+def test_the_kernel_launches_its_table_s_tiles(monkeypatch):
+    """A device's table (omnirun.kernels.triton.moe_tiles) decides the path and the grouped GEMMs' tile."""
+    from omnirun.kernels.triton import moe
+    from omnirun.kernels.triton.moe_tiles import DecodeBucket, GroupedBucket
+
+    launched = []
+    grouped_gemm = moe._grouped_gemm
+    monkeypatch.setattr(moe, "_grouped_gemm", lambda *args, **kw: launched.append(args[9]) or grouped_gemm(*args, **kw))
+    x, logits, w13, w2 = _inputs(9, hidden=32, inter=48, experts=6, dtype=torch.float32)
+    expected = native_ops.fused_moe(x, logits, w13, w2, 2, True)
+    for decode_up_to, tile in ((0, (32, 32, 16, 4, 2)), (0, (16, 64, 32, 2, 3)), (3, None)):
+        tiles = MoeTiles(
+            decode_up_to, (DecodeBucket(64, (4, 32, 2), (8, 16, 2)),), (GroupedBucket(4, tile or (16,) * 5),)
+        )
+        launched.clear()
+        torch.testing.assert_close(fused_moe(x, logits, w13, w2, 2, True, tiles=tiles), expected, atol=1e-5, rtol=1e-5)
+        assert launched == ([tile, tile] if tile else [])  # 18 slots over 6 experts: decode while 3 x 6 >= 18

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from omnirun.kernels.triton.modes import INTERPRETED
+from omnirun.kernels.triton.moe_tiles import DEFAULT, MoeTiles
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -211,35 +212,20 @@ def _token_down_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-def by_slot(slots: int, local_experts: int) -> bool:
-    """Whether a batch takes the decode path: while there are no more slots than experts, few experts are reached
-    twice, and a GEMV per slot reads little more than the grouped GEMMs would, with a sixth of their launches. (On an
-    H100, Qwen3-30B-A3B's 128 experts: the decode path is faster up to 16 tokens, 128 slots, slower from 32.)"""
-    return slots <= local_experts
-
-
-def slot_tiles(slots: int) -> dict[str, tuple[int, int, int]]:
-    """The decode path's (BLOCK_N, BLOCK_K, warps) per kernel: few rows a program while there are few slots, so
-    that enough programs stream the experts' weights."""
-    if slots <= 8:
-        return {"gate_up": (4, 512, 4), "down": (4, 512, 4)}
-    return {"gate_up": (8, 512, 4), "down": (4, 256, 4)}  # the fastest of seven each on an H100, 16-128 slots
-
-
-def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start):
+def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTiles):
     """The decode path: a GEMV per slot for gate|up and the activation, then one per token for the weighted down
     projections, with no sort; another rank's slots are skipped, not multiplied by zero."""
     tokens, hidden = x.shape
     local, inter = w13.shape[0], w2.shape[2]
     act = torch.empty(tokens * top_k, inter, dtype=torch.float32, device=x.device)
-    tiles = slot_tiles(tokens * top_k)
-    block_n, block_k, num_warps = tiles["gate_up"]
+    bucket = tiles.slot_tiles(tokens * top_k)
+    block_n, block_k, num_warps = bucket.gate_up
     _slot_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
         x, w13, experts, act, expert_start, local, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
         TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     out = torch.empty_like(x)
-    block_n, block_k, num_warps = tiles["down"]
+    block_n, block_k, num_warps = bucket.down
     _token_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
         act, w2, experts, weights, out, expert_start, local, hidden, inter, w2.stride(0), w2.stride(1),
         out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
@@ -270,13 +256,6 @@ def sort_slots(
     starts = torch.arange(0, capacity, block_m, device=flat.device)
     block_experts = torch.searchsorted(padded_end, starts, right=True).clamp(max=num_experts - 1)
     return sorted_slots, block_experts, padded_end[num_experts - 1 : num_experts]
-
-
-def grouped_tile(slots: int, local_experts: int) -> tuple[int, int, int, int, int]:
-    """The grouped GEMMs' (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for this many slots over this many experts."""
-    if slots <= 32 * local_experts:  # a few rows per expert (the fastest of ten tiles on an H100, 64-2048 slots)
-        return 16, 64, 128, 4, 3
-    return 64, 64, 32, 4, 3
 
 
 def _grouped_gemm(
@@ -323,10 +302,12 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     expert_start: int = 0,
+    tiles: MoeTiles = DEFAULT,
 ) -> torch.Tensor:
     """See omnirun.layers.native_ops.fused_moe (the reference): the same mixture, summed per token over its top_k
     choices (in float32, rounded once) rather than expert by expert. A few slots take the decode path, more the
-    grouped GEMMs; on either, slots routed to another rank's experts (expert parallelism) are skipped."""
+    grouped GEMMs, with the device's `tiles` (omnirun.kernels.triton.moe_tiles); on either, slots routed to another
+    rank's experts (expert parallelism) are skipped."""
     from omnirun.layers import native_ops
 
     if x.dtype not in _KERNEL_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or x.dim() != 2:
@@ -337,14 +318,14 @@ def fused_moe(
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights, experts = route(router_logits, top_k, renormalize)
     slots = tokens * top_k
-    if by_slot(slots, w13.shape[0]):
-        return _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start)
+    if tiles.by_slot(slots, w13.shape[0]):
+        return _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles)
     local = w13.shape[0]
     foreign = local != router_logits.shape[-1]
     if foreign:  # expert parallelism: this rank holds experts expert_start.. only, and skips the other slots
         experts = experts - expert_start
         experts = torch.where((experts >= 0) & (experts < local), experts, local)
-    tile = grouped_tile(slots, local)
+    tile = tiles.grouped_tile(slots, local)
     sorted_slots, block_experts, total = sort_slots(experts, local, tile[0])
     gate_up = _grouped_gemm(x, w13, sorted_slots, block_experts, total, slots, top_k, None, x.dtype, tile)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -387,9 +387,10 @@ def rotary_embedding(
     return q, k
 
 
-def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
+def triton_fused_ops(pdl: bool = False, device_name: str | None = None) -> dict[str, Callable[..., Any]]:
     """The op table entries these kernels provide, for a platform's `fused_ops()`; `pdl`: launched with
-    programmatic dependent launch (`omnirun.kernels.triton.pdl`), for platforms that have it."""
+    programmatic dependent launch (`omnirun.kernels.triton.pdl`), for platforms that have it; `device_name`: whose
+    launch tables to read (omnirun.kernels.triton.moe_tiles)."""
     ops = {
         "rms_norm": rms_norm,
         "add_rms_norm": add_rms_norm,
@@ -401,6 +402,7 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
     from omnirun.kernels.triton import int4_linear  # W4A16 (AWQ, GPTQ): integer unpacking, 16-bit dots
     from omnirun.kernels.triton.matmul import batch_invariant_linear  # deterministic mode's linear layers
     from omnirun.kernels.triton.moe import fused_moe  # mixtures of experts as two grouped GEMMs, graph-capturable
+    from omnirun.kernels.triton.moe_tiles import tiles_for
     from omnirun.kernels.triton.penalties import apply_penalties  # the penalties in one pass over the logits
     from omnirun.kernels.triton.sample import sample  # sort-free sampling (bench/sample_op.py measures it)
     from omnirun.kernels.triton.token_bitmask import apply_token_bitmask  # a grammar's mask in one pass
@@ -411,7 +413,7 @@ def triton_fused_ops(pdl: bool = False) -> dict[str, Callable[..., Any]]:
         "sample": sample,
         "apply_penalties": apply_penalties,
         "apply_token_bitmask": apply_token_bitmask,
-        "fused_moe": fused_moe,
+        "fused_moe": functools.partial(fused_moe, tiles=tiles_for(device_name)),
         "int4_linear": int4_linear.int4_linear,
         "int4_linear_takes": int4_linear.takes,
     }

@@ -1,0 +1,133 @@
+"""The Triton `fused_moe`'s launch choices for one device: when to take the decode path, and the tiles of each path
+per batch bucket. One small JSON table per device name (`moe_tiles/<name>.json`, the name as the device reports it
+with every character outside letters and digits made "_", as vLLM names its fused-MoE configs), read once when the
+op table is built; a device without one gets DEFAULT, measured on an H100. `python bench/moe_op.py --sweep
+--write-table` writes a device's table from its own sweep.
+
+A table (every key required):
+
+    {"decode_max_slots_per_expert": 1,
+     "decode": [{"max_slots": 8, "gate_up": [4, 512, 4], "down": [4, 512, 4]}, ...],
+     "grouped": [{"max_slots_per_expert": 32, "tile": [16, 64, 128, 4, 3]}, ...]}
+
+`decode`: (BLOCK_N, BLOCK_K, warps) of the two decode kernels up to `max_slots` slots; `grouped`: (BLOCK_M,
+BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMMs up to `max_slots_per_expert` slots per local expert. Buckets
+ascend; the last one also serves anything larger (its bound says how far the sweep went).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+TABLES = Path(__file__).with_name("moe_tiles")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBucket:
+    max_slots: int
+    gate_up: tuple[int, int, int]  # BLOCK_N, BLOCK_K, warps
+    down: tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedBucket:
+    max_slots_per_expert: int
+    tile: tuple[int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeTiles:
+    # The decode path (a GEMV per slot, no sort) serves while slots <= this x the local experts.
+    decode_max_slots_per_expert: float
+    decode: tuple[DecodeBucket, ...]
+    grouped: tuple[GroupedBucket, ...]
+    source: str = dataclasses.field(default="default", compare=False)  # the table's file, or "default"
+
+    def by_slot(self, slots: int, local_experts: int) -> bool:
+        """Whether `slots` (tokens x top_k) over this many local experts take the decode path."""
+        return slots <= self.decode_max_slots_per_expert * local_experts
+
+    def slot_tiles(self, slots: int) -> DecodeBucket:
+        return next((b for b in self.decode if slots <= b.max_slots), self.decode[-1])
+
+    def grouped_tile(self, slots: int, local_experts: int) -> tuple[int, int, int, int, int]:
+        per_expert = slots / local_experts
+        return next((b for b in self.grouped if per_expert <= b.max_slots_per_expert), self.grouped[-1]).tile
+
+
+# Measured on an H100 (bench/results/h100_moe_op_sweep_qwen3_30b_a3b.json, h100_moe_op_qwen3_30b_a3b_757ca9b.json):
+# the decode path faster up to 16 Qwen3-30B-A3B tokens (128 slots over 128 experts); its tiles the fastest of seven
+# each; the grouped tile the fastest of ten from 64 to 2,048 slots, 64 x 64 x 32 beyond.
+DEFAULT = MoeTiles(
+    decode_max_slots_per_expert=1,
+    decode=(DecodeBucket(8, (4, 512, 4), (4, 512, 4)), DecodeBucket(128, (8, 512, 4), (4, 256, 4))),
+    grouped=(GroupedBucket(32, (16, 64, 128, 4, 3)), GroupedBucket(64, (64, 64, 32, 4, 3))),
+)
+
+
+def table_name(device_name: str) -> str:
+    """The table file's name for a device: "NVIDIA H100 80GB HBM3" -> "NVIDIA_H100_80GB_HBM3.json"."""
+    return re.sub(r"[^A-Za-z0-9]", "_", device_name) + ".json"
+
+
+def from_json(data: dict[str, Any], source: str) -> MoeTiles:
+    """A table's MoeTiles; ValueError naming the file and what is wrong."""
+    try:
+        tiles = MoeTiles(
+            decode_max_slots_per_expert=float(data["decode_max_slots_per_expert"]),
+            decode=tuple(
+                DecodeBucket(int(b["max_slots"]), _ints(b["gate_up"], 3), _ints(b["down"], 3)) for b in data["decode"]
+            ),
+            grouped=tuple(GroupedBucket(int(b["max_slots_per_expert"]), _ints(b["tile"], 5)) for b in data["grouped"]),
+            source=source,
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        problem = f"{source}: not a fused_moe tile table ({error!r})"
+        raise ValueError(f"{problem}: see omnirun.kernels.triton.moe_tiles for the format") from None
+    if not tiles.decode or not tiles.grouped:
+        raise ValueError(f"{source}: a fused_moe tile table needs at least one decode and one grouped bucket")
+    for buckets, bound in ((tiles.decode, "max_slots"), (tiles.grouped, "max_slots_per_expert")):
+        bounds = [getattr(bucket, bound) for bucket in buckets]
+        if bounds != sorted(set(bounds)):
+            raise ValueError(f"{source}: the buckets' {bound} must ascend, not {bounds}")
+    return tiles
+
+
+def dumps(tiles: MoeTiles) -> str:
+    """A table's file text: one bucket a line."""
+    data = to_json(tiles)
+    lines = [f'{{"decode_max_slots_per_expert": {json.dumps(data["decode_max_slots_per_expert"])},']
+    for key in ("decode", "grouped"):
+        buckets = ",\n  ".join(json.dumps(bucket) for bucket in data[key])
+        lines.append(f' "{key}": [\n  {buckets}\n ]' + ("," if key == "decode" else "}"))
+    return "\n".join(lines) + "\n"
+
+
+def to_json(tiles: MoeTiles) -> dict[str, Any]:
+    """A table as `from_json` reads it."""
+    return {
+        "decode_max_slots_per_expert": tiles.decode_max_slots_per_expert,
+        "decode": [{"max_slots": b.max_slots, "gate_up": list(b.gate_up), "down": list(b.down)} for b in tiles.decode],
+        "grouped": [{"max_slots_per_expert": b.max_slots_per_expert, "tile": list(b.tile)} for b in tiles.grouped],
+    }
+
+
+@functools.cache
+def tiles_for(device_name: str | None, tables: Path = TABLES) -> MoeTiles:
+    """The device's table if one is stored, else DEFAULT."""
+    path = tables / table_name(device_name or "")
+    if device_name and path.is_file():
+        return from_json(json.loads(path.read_text()), str(path))
+    return DEFAULT
+
+
+def _ints(values: Any, count: int) -> tuple[int, ...]:
+    numbers = tuple(int(v) for v in values)
+    if len(numbers) != count or min(numbers) <= 0:
+        raise ValueError(f"{list(values)} is not {count} positive integers")
+    return numbers
