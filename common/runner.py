@@ -648,7 +648,10 @@ class ModelRunner:
             if self.tp.size > 1
             else "every expert whole"
         )
-        return f"top {moe.top_k} of {moe.num_experts}, {held}, fused_moe {_op_origin(self.ops.fused_moe)}"
+        op = self.ops.fused_moe
+        tiles = getattr(op, "keywords", {}).get("tiles")  # a kernel bound to a device's launch table
+        table = f" (launch table: {Path(tiles.source).name})" if tiles is not None else ""
+        return f"top {moe.top_k} of {moe.num_experts}, {held}, fused_moe {_op_origin(op)}{table}"
 
     def weights_format(self) -> str:
         """How the checkpoint's weights are held: the model dtype, a quantized format dequantized at load, or fp8 or
