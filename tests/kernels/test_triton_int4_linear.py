@@ -86,6 +86,8 @@ def test_a_k_step_inside_one_group_and_the_op_s_dispatch():
             torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=1.6e-2)
     with pytest.raises(ValueError, match="groups of 40"):  # no K step of 16 or more lies in a group of 40
         kernels.gemm(*_to(x[0, :3].to(torch.bfloat16), packed, scale, zero, None), 40)
+    with pytest.raises(ValueError, match="bf16 or fp16 activations"):
+        kernels.gemm(*_to(x[0, :3], packed, scale, zero, None), 32)
     with pytest.raises(ValueError, match="one row"):
         kernels.gemv(*_to(x[0, :3].to(torch.bfloat16), packed, scale, zero, None), 32)
 

@@ -232,6 +232,10 @@ def _launch(
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight_packed.shape[0]
+    if x.dtype not in _MAGIC_16:
+        raise ValueError(
+            f"the int4 kernels take bf16 or fp16 activations, not {x.dtype}: int4_linear gives others to the reference"
+        )
     if not fits(group_size, block_k, block_m):
         raise ValueError(f"int4 groups of {group_size} and a K step of {block_k}: the step must lie in one group")
     _check_scales(scale, zero_point)
