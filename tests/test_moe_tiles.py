@@ -36,7 +36,7 @@ def test_a_device_s_table_is_read_by_its_name(tmp_path):
 
 def test_every_stored_table_reads():
     tables = sorted(TABLES.glob("*.json"))
-    assert [path.name for path in tables] == ["NVIDIA_H100_80GB_HBM3.json"]
+    assert "NVIDIA_H100_80GB_HBM3.json" in [path.name for path in tables]
     for path in tables:
         assert from_json(json.loads(path.read_text()), str(path)).decode
 
