@@ -382,7 +382,7 @@ def gemm(
 def takes(out_features: int, in_features: int, group_size: int, dtype: torch.dtype) -> bool:
     """`int4_linear_takes`: bf16/fp16 models with groups the dots' K steps fit (float32 models and odd groups
     dequantize at load rather than run the reference below)."""
-    return dtype in (torch.bfloat16, torch.float16) and group_size % 16 == 0
+    return dtype in _MAGIC_16 and group_size % 16 == 0
 
 
 # Rows from which the weight is dequantized whole, then multiplied by the device's matmul (prefill, large batches).
@@ -405,7 +405,7 @@ def int4_linear(
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if x.dtype not in (torch.bfloat16, torch.float16) or group_size % 16 or rows.shape[0] == 0:
+    if not takes(weight_packed.shape[0], x.shape[-1], group_size, x.dtype) or rows.shape[0] == 0:
         # float32 models, and groups no published checkpoint has (e.g. 40): the reference, correct but not fast
         return native_ops.int4_linear(x, weight_packed, weight_scale, weight_zero_point, bias, group_size)
     if rows.shape[0] == 1:
