@@ -7,8 +7,11 @@ decode step runs its layers. `--sweep` also times each path's candidate tiles an
 `--write-table` then writes the device's launch table (omnirun.kernels.triton.moe_tiles) from the sweep: the
 faster path per batch, and each path's fastest tiles, one bucket per swept batch size.
 
+`--fp8` also times `fp8_fused_moe` on the same experts quantized to fp8 in 128 x 128 blocks (as Qwen3-30B-A3B-FP8
+ships them), each path at the table's tiles, against the floor of the fp8 bytes.
+
     python bench/moe_op.py --device cuda --preset qwen3-30b-a3b --batch-sizes 1 4 16 64 256 \
-        --json bench/results/h100_moe_op.json [--sweep --write-table]
+        --json bench/results/h100_moe_op.json [--sweep --write-table] [--fp8]
 """
 
 from __future__ import annotations
@@ -103,6 +106,49 @@ def matmul_only(x, experts, w13s, w2s):
     return run, len(reached)
 
 
+def fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked experts [E, N, K] (N, K whole blocks) as an fp8 checkpoint holds them: float8_e4m3fn values and one
+    float32 scale (amax / 448) per block, [E, N / block, K / block]."""
+    experts, n, k = weight.shape
+    blocks = weight.float().view(experts, n // block, block, k // block, block)
+    scale = (blocks.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-12)
+    values = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(experts, n, k)
+    return values, scale
+
+
+# With --sweep --fp8, the decode path's fp8 tiles also try these: one byte a weight reads half the bytes a step.
+FP8_SLOT_TILES = {"gate_up": [(4, 1024, 4), (8, 1024, 8)], "down": [(4, 1024, 4), (8, 512, 8)]}
+
+
+def fp8_row(row, fp8s, x, logits, top_k, renormalize, table, floor_ms, platform, sweep) -> None:
+    """`fp8_fused_moe` on each path at the table's tiles: its time, its error against the reference on the
+    dequantized experts, and the floor of the fp8 experts' bytes (`floor_ms`: one byte a weight); with `sweep`,
+    the decode path's candidate tiles too."""
+    (q13, s13), (q2, s2) = fp8s[0]
+    block = (128, 128)
+    expected = native_ops.fp8_fused_moe(x, logits, q13, s13, q2, s2, top_k, renormalize, 0, block).float()
+    row["fp8_floor_ms"] = floor_ms
+
+    def run(tiles):
+        for (q13, s13), (q2, s2) in fp8s:
+            moe.fp8_fused_moe(x, logits, q13, s13, q2, s2, top_k, renormalize, 0, block, tiles=tiles)
+
+    for path, forced in {"by_slot": float(x.shape[0] * top_k), "grouped": 0.0}.items():
+        tiles = dataclasses.replace(table, decode_max_slots_per_expert=forced)
+        got = moe.fp8_fused_moe(x, logits, q13, s13, q2, s2, top_k, renormalize, 0, block, tiles=tiles).float()
+        row[f"fp8_{path}_max_error"] = (got - expected).abs().max().item()
+        row[f"fp8_{path}_ms"] = graph_ms(platform, functools.partial(run, tiles))
+        if not sweep or path != "by_slot":
+            continue
+        decode = tiles.slot_tiles(x.shape[0] * top_k)
+        fixed = {"gate_up": decode.gate_up, "down": decode.down}
+        for kernel, tried in SLOT_TILES.items():
+            for tile in (*tried, *FP8_SLOT_TILES[kernel]):
+                varied = dataclasses.replace(tiles, decode=(DecodeBucket(1 << 30, **{**fixed, kernel: tile}),))
+                name = f"fp8_by_slot_{kernel}_{'x'.join(map(str, tile))}_ms"
+                row[name] = graph_ms(platform, functools.partial(run, varied))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -111,6 +157,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="weight copies a replay cycles through")
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile of both paths")
     parser.add_argument("--sweep-slots-up-to", type=int, default=512, help="sweep the decode path's tiles this far")
+    parser.add_argument("--fp8", action="store_true", help="also time fp8_fused_moe on fp8 experts (128 x 128 blocks)")
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--write-table", action="store_true", help=f"with --sweep: write this device's table into {TABLES}"
@@ -127,6 +174,7 @@ def main() -> None:
     ]
     w2s = [torch.randn(E, H, inter, generator=gen, device=device, dtype=dtype) / inter**0.5 for _ in range(args.layers)]
     expert_bytes = (3 * inter * H) * dtype.itemsize
+    fp8s = [(fp8_blocks(w13), fp8_blocks(w2)) for w13, w2 in zip(w13s, w2s, strict=True)] if args.fp8 else []
     bandwidth = measure_bandwidth(platform, device)
     print(f"{args.preset}: {E} experts, top {top_k}, hidden {H}, expert intermediate {inter}, {args.layers} layers")
     print(f"copy bandwidth {bandwidth.copy_bytes_per_s / 1e9:.0f} GB/s on {platform.capabilities.device_name}")
@@ -165,6 +213,9 @@ def main() -> None:
                 row[f"{path}_{name}_{'x'.join(map(str, tile if path == 'grouped' else tile[name]))}_ms"] = graph_ms(
                     platform, functools.partial(run, varied)
                 )
+        if fp8s:
+            sweep, fp8_floor_ms = args.sweep and batch * top_k <= args.sweep_slots_up_to, floor_ms / dtype.itemsize
+            fp8_row(row, fp8s, x, logits, top_k, shape.moe.renormalize, table, fp8_floor_ms, platform, sweep)
         results.append(row)
         line = (
             f"bs={batch:4d} reached {reached:3d}: floor {floor_ms:7.3f} ms, matmul-only {row['matmul_only_ms']:7.3f}, "
@@ -174,7 +225,15 @@ def main() -> None:
             f"max error {row['by_slot_max_error']:.3g} / {row['grouped_max_error']:.3g}"
         )
         print(line, flush=True)
-        for group in ("by_slot_gate_up", "by_slot_down", "grouped_tile"):
+        if fp8s:
+            print(
+                f"    fp8 experts: floor {row['fp8_floor_ms']:7.3f} ms, by_slot {row['fp8_by_slot_ms']:7.3f} "
+                f"({row['fp8_by_slot_ms'] / row['by_slot_ms']:.2f}x bf16), grouped {row['fp8_grouped_ms']:7.3f} "
+                f"({row['fp8_grouped_ms'] / row['grouped_ms']:.2f}x bf16); max error against the dequantized "
+                f"experts {row['fp8_by_slot_max_error']:.3g} / {row['fp8_grouped_max_error']:.3g}",
+                flush=True,
+            )
+        for group in ("by_slot_gate_up", "by_slot_down", "grouped_tile", "fp8_by_slot_gate_up", "fp8_by_slot_down"):
             tiles = {k: v for k, v in row.items() if k.startswith(f"{group}_")}
             if tiles:
                 best = min(tiles, key=tiles.get)

@@ -73,7 +73,8 @@ def platform_row(platform: Platform) -> PlatformRow:
             + deterministic_linear(platform)
         )
         row.default_run = default_run(platform)
-        row.quantized = loading_summary("fp8_linear" in row.fused_ops, "int4_linear" in row.fused_ops)
+        ops = row.fused_ops
+        row.quantized = loading_summary("fp8_linear" in ops, "int4_linear" in ops, "fp8_fused_moe" in ops)
     return row
 
 

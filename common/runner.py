@@ -573,7 +573,7 @@ class ModelRunner:
             total -= embedding.numel() * embedding.element_size()
         for module in self.model.modules():
             if isinstance(module, SparseMoE):
-                experts = sum(p.numel() * p.element_size() for p in (module.w13, module.w2))
+                experts = sum(p.numel() * p.element_size() for p in module.weights())
                 missed = (1 - module.top_k / module.num_experts) ** batch_size
                 total -= round(experts * missed)
         return total
@@ -648,10 +648,12 @@ class ModelRunner:
             if self.tp.size > 1
             else "every expert whole"
         )
-        op = self.ops.fused_moe
+        fp8 = any(isinstance(m, SparseMoE) and m.fp8 is not None for m in self.model.modules())
+        name, op = ("fp8_fused_moe", self.ops.fp8_fused_moe) if fp8 else ("fused_moe", self.ops.fused_moe)
         tiles = getattr(op, "keywords", {}).get("tiles")  # a kernel bound to a device's launch table
         table = f" (launch table: {Path(tiles.source).name})" if tiles is not None else ""
-        return f"top {moe.top_k} of {moe.num_experts}, {held}, fused_moe {_op_origin(op)}{table}"
+        kept = " in fp8" if fp8 else ""
+        return f"top {moe.top_k} of {moe.num_experts}, {held}{kept}, {name} {_op_origin(op)}{table}"
 
     def weights_format(self) -> str:
         """How the checkpoint's weights are held: the model dtype, a quantized format dequantized at load, or fp8 or

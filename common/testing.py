@@ -131,13 +131,17 @@ def randomize_constant_parameters(model: torch.nn.Module, seed: int) -> list[str
     return changed
 
 
+# The quantized ops whose weights the platform may re-lay (a `prepare_` hook); fp8_fused_moe reads them as loaded.
+PREPARED = ("fp8_linear", "int4_linear")
+
+
 def keeping_quantized(platform: Platform, *ops: str) -> Platform:
-    """`platform` offering the references of the quantized linear ops `ops` ("fp8_linear", "int4_linear") as if
-    they were its kernels: layers then keep a checkpoint's quantized weights where the device has no kernel for them,
-    so that the kept path (loading, sharding, the op's calls) is tested on any device. Calls are counted per op in
-    the returned platform's `calls`. Each op's `prepare_` hook is offered too: it copies the tensors it is given,
-    and the op checks that the `prepared` it receives equals the tensors it multiplies by (so a form left stale by
-    a weight update fails)."""
+    """`platform` offering the references of the quantized ops `ops` ("fp8_linear", "int4_linear", "fp8_fused_moe")
+    as if they were its kernels: layers then keep a checkpoint's quantized weights where the device has no kernel
+    for them, so that the kept path (loading, sharding, the op's calls) is tested on any device. Calls are counted
+    per op in the returned platform's `calls`. The linear ops' `prepare_` hooks are offered too: each copies the
+    tensors it is given, and the op checks that the `prepared` it receives equals the tensors it multiplies by (so a
+    form left stale by a weight update fails)."""
 
     class KeepsQuantized(type(platform)):
         calls = dict.fromkeys(ops, 0)
@@ -149,7 +153,9 @@ def keeping_quantized(platform: Platform, *ops: str) -> Platform:
 
                 def op(x, *args):
                     prepared = args[-1]  # layers pass it last
-                    if not isinstance(prepared, tuple) or not all(map(torch.equal, prepared, args[:held])):
+                    if name in PREPARED and (
+                        not isinstance(prepared, tuple) or not all(map(torch.equal, prepared, args[:held]))
+                    ):
                         raise AssertionError(f"{name} was not given the prepared form of its current weights")
                     type(self).calls[name] += 1
                     return reference(x, *args)
@@ -159,15 +165,15 @@ def keeping_quantized(platform: Platform, *ops: str) -> Platform:
             def prepare(*args):
                 return tuple(arg.clone() for arg in args if isinstance(arg, torch.Tensor))
 
-            hooks = {f"prepare_{name}": prepare for name in ops}
+            hooks = {f"prepare_{name}": prepare for name in ops if name in PREPARED}
             return {**super().device_fused_ops(), **{name: counted(name) for name in ops}, **hooks}
 
     return KeepsQuantized()
 
 
 def keeping_fp8(platform: Platform) -> Platform:
-    """`platform` offering the reference `fp8_linear` as its kernel (keeping_quantized)."""
-    return keeping_quantized(platform, "fp8_linear")
+    """`platform` offering the references of `fp8_linear` and `fp8_fused_moe` as its kernels (keeping_quantized)."""
+    return keeping_quantized(platform, "fp8_linear", "fp8_fused_moe")
 
 
 def keeping_int4(platform: Platform) -> Platform:

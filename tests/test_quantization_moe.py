@@ -1,7 +1,7 @@
 """Quantized checkpoints of mixtures of experts (as Qwen3-30B-A3B-FP8, Mixtral FP8 and AWQ checkpoints ship them):
-each expert's projections stored quantized, per expert, beside quantized attention projections. The experts are
-dequantized at load (the `fused_moe` op reads plain weights) and stacked; where the platform runs `fp8_linear`
-the attention projections stay fp8 beside them. Greedy tokens equal HF's on the dequantized weights."""
+each expert's projections stored quantized, per expert, beside quantized attention projections. Where the platform
+runs `fp8_fused_moe` (and `fp8_linear`) the experts (and the attention projections) stay in fp8, stacked with their
+scales; elsewhere they are dequantized at load and stacked. Greedy tokens equal HF's on the dequantized weights."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 
 from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.layers.linear import Linear
+from omnirun.layers.moe import SparseMoE
+from omnirun.layers.native_ops import dequantize_fp8
 from omnirun.testing import greedy_generate, hf_greedy, keeping_fp8, make_runner
 from quantized_checkpoints import PROMPTS, write_fp8_checkpoint, write_int4_checkpoint
 
@@ -18,25 +20,57 @@ from quantized_checkpoints import PROMPTS, write_fp8_checkpoint, write_int4_chec
     "arch, kind",
     [("mixtral", "fp8-block"), ("qwen2_moe", "fp8"), ("qwen3_moe", "fp8-block"), ("qwen3_moe", "awq")],
 )
-def test_quantized_experts_load_dequantized_and_give_hf_s_tokens(tmp_path, arch, kind):
+def test_quantized_experts_give_hf_s_tokens_dequantized_at_load_or_kept_in_fp8(tmp_path, arch, kind):
+    block = (16, 16) if kind == "fp8-block" else None
     if kind == "awq":
         hf, stands_for = write_int4_checkpoint(tmp_path, arch, "awq", 16)
         platforms = [CpuPlatform()]
     else:
-        hf, stands_for = write_fp8_checkpoint(tmp_path, arch, (16, 16) if kind == "fp8-block" else None)
+        hf, stands_for = write_fp8_checkpoint(tmp_path, arch, block)
         platforms = [CpuPlatform(), keeping_fp8(CpuPlatform())]
     experts = {name: weight for name, weight in stands_for.items() if ".experts." in name}
     assert experts, "the checkpoint holds no quantized expert"
     expected = [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
     for platform in platforms:
+        keeps = platform is platforms[-1] and kind != "awq"
         runner = make_runner(platform, tmp_path)
         try:
             kept = [m for m in runner.model.modules() if isinstance(m, Linear) and m.fp8 is not None]
-            assert bool(kept) == (platform is platforms[-1] and kind != "awq")  # attention kept where fp8 runs
+            assert bool(kept) == keeps  # attention kept where fp8_linear runs
+            moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+            assert moes and all((m.fp8 is not None) == keeps for m in moes)
             # Every expert's weight is the one its quantized parts stand for, bit for bit (greedy tokens alone would
-            # miss a slightly wrong scale on one expert).
+            # miss a slightly wrong scale on one expert): kept, its fp8 values times their scales.
             for name, weight in experts.items():
-                assert torch.equal(runner.get_weights_by_name(name), weight), name
+                held = runner.get_weights_by_name(name)
+                if keeps:
+                    assert held.dtype == torch.float8_e4m3fn, name
+                    scale = runner.get_weights_by_name(name.removesuffix("weight") + "weight_scale")
+                    held = dequantize_fp8(held, scale, block)
+                assert torch.equal(held, weight), name
             assert greedy_generate(runner, PROMPTS, 8) == expected
+            if keeps:
+                assert platform.calls["fp8_fused_moe"] > 0
+                assert "in fp8, fp8_fused_moe" in runner.describe()["experts"]
         finally:
             runner.close()
+
+
+def test_fp8_experts_whose_blocks_straddle_gate_and_up_are_dequantized_at_load(tmp_path):
+    """qwen3_moe's experts have 32 intermediate columns: in blocks of 24 rows gate's last block is partial, so the
+    stacked gate|up rows share no block grid; the experts are dequantized, the attention projections stay fp8."""
+    hf, _ = write_fp8_checkpoint(tmp_path, "qwen3_moe", (24, 16))
+    runner = make_runner(keeping_fp8(CpuPlatform()), tmp_path)
+    try:
+        assert all(m.fp8 is None for m in runner.model.modules() if isinstance(m, SparseMoE))
+        assert any(isinstance(m, Linear) and m.fp8 is not None for m in runner.model.modules())
+        assert greedy_generate(runner, PROMPTS, 8) == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
+    finally:
+        runner.close()
+
+
+def test_omnirun_env_says_where_fp8_experts_stay_fp8():
+    from omnirun.env_report import platform_row
+
+    assert "fp8 experts kept in fp8 for fp8_fused_moe" in platform_row(keeping_fp8(CpuPlatform())).quantized
+    assert "fp8_fused_moe" not in platform_row(CpuPlatform()).quantized

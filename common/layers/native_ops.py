@@ -187,6 +187,37 @@ def fused_moe(
     return out
 
 
+def fp8_fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_start: int = 0,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """`fused_moe` of experts kept in fp8 (Ops.fp8_fused_moe has the layouts): the experts dequantized to x's dtype,
+    as a model whose experts were dequantized at load holds them (the same float32 products, one rounding), then
+    the reference."""
+    return fused_moe(
+        x,
+        router_logits,
+        dequantize_fp8_experts(w13, w13_scale, block).to(x.dtype),
+        dequantize_fp8_experts(w2, w2_scale, block).to(x.dtype),
+        top_k,
+        renormalize,
+        expert_start,
+    )
+
+
+def dequantize_fp8_experts(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float32 [n, N, K] of stacked fp8 experts [n, N, K], each by its scales (dequantize_fp8)."""
+    return torch.stack([dequantize_fp8(w, s, block) for w, s in zip(weight, scale, strict=True)])
+
+
 # argmax of fewer rows than this reduces the vocabulary in chunks of this many tokens.
 _TWO_STAGE_MAX_ROWS = 32
 _VOCAB_CHUNK = 4096

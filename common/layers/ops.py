@@ -26,6 +26,12 @@ class Ops:
     # expert_start) -> [T, H], the routed experts' outputs summed with their weights (w13/w2 hold experts
     # expert_start.. : all of them, or one rank's under expert parallelism).
     fused_moe: Callable[..., Any] = native_ops.fused_moe
+    # A mixture of experts that kept its checkpoint's fp8 weights: (x, router logits, w13 float8_e4m3fn [n, 2I, H],
+    # w13_scale, w2 float8_e4m3fn [n, H, I], w2_scale, top_k, renormalize, expert_start, block) -> [T, H]; scales
+    # float32, one per output row ([n, 2I], [n, H]) or, with `block` (rows, columns), per block ([n, 2I / rows,
+    # ceil(H / columns)], [n, ceil(H / rows), ceil(I / columns)]). Offered only where a kernel runs it: with the
+    # reference alone, fp8 experts are dequantized at load.
+    fp8_fused_moe: Callable[..., Any] = native_ops.fp8_fused_moe
     argmax: Callable[..., Any] = native_ops.argmax  # greedy sampling's pick (the sampler's, not a layer's)
     # A sampled row's pick: (logits [B, V], SamplingBatch) -> int64 [B], filtered by temperature, top-k, top-p and
     # min-p, drawn with the batch's counter-based random numbers.
@@ -68,6 +74,11 @@ def runs_fp8_weights(ops: Ops) -> bool:
     """Whether layers keep fp8 checkpoint weights: the platform offers a kernel for them (the reference
     dequantizes the whole weight at every call, so without one the weights are dequantized once, at load)."""
     return ops.fp8_linear is not native_ops.fp8_linear
+
+
+def runs_fp8_experts(ops: Ops) -> bool:
+    """Whether mixtures of experts keep fp8 checkpoint experts: the platform offers a kernel for `fp8_fused_moe`."""
+    return ops.fp8_fused_moe is not native_ops.fp8_fused_moe
 
 
 def runs_int4_weights(ops: Ops) -> bool:

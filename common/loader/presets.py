@@ -87,6 +87,32 @@ _AWQ_INT4 = {
     "modules_to_not_convert": None,
 }
 
+_QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=False,
+    attention_bias=False,
+    use_sliding_window=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    dtype=torch.bfloat16,
+)
+
 PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
         "llama-3-8b": _preset(LlamaConfig, "Meta-Llama-3-8B", **_LLAMA_3_8B),
@@ -176,32 +202,10 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             dtype=torch.bfloat16,
         ),
         # Mixtures of experts.
-        "qwen3-30b-a3b": _preset(
-            Qwen3MoeConfig,
-            "Qwen3-30B-A3B",
-            architectures=["Qwen3MoeForCausalLM"],
-            hidden_size=2048,
-            intermediate_size=6144,
-            moe_intermediate_size=768,
-            num_experts=128,
-            num_experts_per_tok=8,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            num_hidden_layers=48,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-            vocab_size=151936,
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            tie_word_embeddings=False,
-            attention_bias=False,
-            use_sliding_window=False,
-            bos_token_id=151643,
-            eos_token_id=151645,
-            dtype=torch.bfloat16,
+        "qwen3-30b-a3b": _preset(Qwen3MoeConfig, "Qwen3-30B-A3B", **_QWEN3_30B_A3B),
+        # as Qwen/Qwen3-30B-A3B-FP8 ships it: every projection (the experts' too) in 128 x 128 fp8 blocks
+        "qwen3-30b-a3b-fp8": _preset(
+            Qwen3MoeConfig, "Qwen3-30B-A3B, fp8 in 128 x 128 blocks", **_QWEN3_30B_A3B, quantization_config=_FP8_BLOCK
         ),
         "mixtral-8x7b": _preset(
             MixtralConfig,

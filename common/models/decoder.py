@@ -159,6 +159,10 @@ def _mlp(
         shared = MLP(
             shape.hidden_size, columns, False, ops=ops, dtype=dtype, tp=tp, prefix=prefix, quantized_of=quantized_of
         )
+    # The experts' checkpoint modules (expert 0's stand for all: a config quantizes or ignores them alike).
+    expert = f"model.layers.{layer_id}.{'block_sparse_moe' if moe.mixtral_names else 'mlp'}.experts.0"
+    projections = ("w1", "w3", "w2") if moe.mixtral_names else ("gate_proj", "up_proj", "down_proj")
+    quantized = quantized_of([f"{expert}.{p}" for p in projections])
     if layout.expert_parallel:
         columns = Slice.whole(moe.intermediate_size)
         experts = range(layout.expert_start, layout.expert_start + layout.experts_per_rank)
@@ -175,6 +179,7 @@ def _mlp(
         dtype=dtype,
         tp=tp,
         shared=shared,
+        quantized=quantized,
     )
 
 
@@ -249,8 +254,10 @@ class DecoderModel(nn.Module):
 
 
 # An expert's projection in a checkpoint: Qwen's `mlp.experts.3.gate_proj.weight`, Mixtral's
-# `block_sparse_moe.experts.3.w1.weight` (read as `mlp.`).
-_EXPERT = re.compile(r"(?P<moe>.+\.mlp)\.experts\.(?P<id>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+# `block_sparse_moe.experts.3.w1.weight` (read as `mlp.`); and its scales where the experts stay in fp8.
+_EXPERT = re.compile(
+    r"(?P<moe>.+\.mlp)\.experts\.(?P<id>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<param>weight|weight_scale)"
+)
 _EXPERT_PROJECTIONS = {
     "gate_proj": "gate",
     "up_proj": "up",
@@ -261,11 +268,12 @@ _EXPERT_PROJECTIONS = {
 }
 
 
-def _expert_names(moe_path: str, experts: range, mixtral: bool) -> list[str]:
-    """The checkpoint names of the projections of `experts` (global ids) of the MoE module at `moe_path`."""
+def _expert_names(moe_path: str, moe: SparseMoE, mixtral: bool) -> list[str]:
+    """The checkpoint names of the projections of the experts (this rank's) of the MoE module at `moe_path`."""
     prefix = moe_path.replace(".mlp", ".block_sparse_moe") if mixtral else moe_path
     projections = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-    return [f"{prefix}.experts.{e}.{p}.weight" for e in experts for p in projections]
+    params = ("weight", "weight_scale") if moe.fp8 is not None else ("weight",)
+    return [f"{prefix}.experts.{e}.{p}.{param}" for e in moe.experts for p in projections for param in params]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -336,7 +344,10 @@ class DecoderForCausalLM(nn.Module):
                 raise KeyError(name) from exc
             if not isinstance(moe, SparseMoE) or not 0 <= int(expert["id"]) < moe.num_experts:
                 raise KeyError(name)
-            return moe.expert_target(int(expert["id"]), _EXPERT_PROJECTIONS[expert["proj"]])  # None: another rank's
+            try:  # None: another rank's expert
+                return moe.expert_target(int(expert["id"]), _EXPERT_PROJECTIONS[expert["proj"]], expert["param"])
+            except KeyError:
+                raise KeyError(name) from None
         module_path, _, param_name = name.rpartition(".")
         parent_path, _, leaf = module_path.rpartition(".")
         if leaf in self.FUSED_PROJECTIONS:
@@ -380,9 +391,9 @@ class DecoderForCausalLM(nn.Module):
         for name, _ in self.named_parameters():
             module_path, _, param_name = name.rpartition(".")
             parent_path, _, leaf = module_path.rpartition(".")
-            if param_name in ("w13", "w2"):  # stacked experts: one checkpoint tensor per expert and projection
-                if param_name == "w13":
-                    names.extend(_expert_names(module_path, self.get_submodule(module_path).experts, moe.mixtral_names))
+            if param_name in ("w13", "w2", "w13_scale", "w2_scale"):  # stacked experts: one checkpoint tensor per
+                if param_name == "w13":  # expert, projection and parameter
+                    names.extend(_expert_names(module_path, self.get_submodule(module_path), moe.mixtral_names))
                 continue
             if moe is not None and moe.mixtral_names and name.endswith(".mlp.gate.weight"):
                 names.append(name.replace(".mlp.", ".block_sparse_moe."))

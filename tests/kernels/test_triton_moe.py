@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'omnirun[cuda]' or '[rocm]')")
 
-from omnirun.kernels.triton.moe import fused_moe, route, sort_slots  # noqa: E402
-from omnirun.kernels.triton.moe_tiles import MoeTiles  # noqa: E402
+from omnirun.kernels.triton.moe import fp8_fused_moe, fused_moe, route, sort_slots  # noqa: E402
+from omnirun.kernels.triton.moe_tiles import DecodeBucket, GroupedBucket, MoeTiles  # noqa: E402
 from omnirun.layers import native_ops  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -61,6 +61,49 @@ def test_one_rank_s_experts_under_expert_parallelism(start, path):
     other = 3 - start
     whole = part + fused_moe(x, logits, w13[other : other + 3], w2[other : other + 3], 2, True, other)
     torch.testing.assert_close(whole, native_ops.fused_moe(x, logits, w13, w2, 2, True), atol=1e-5, rtol=1e-5)
+
+
+def _fp8_experts(weight: torch.Tensor, block: tuple[int, int] | None, seed: int):
+    """Stacked experts [n, N, K] as an fp8 checkpoint holds them: float8_e4m3fn values and float32 scales drawn
+    between 0.5x and 1.5x of a weight-sized step, per row ([n, N]) or per block ([n, ceil(N / r), ceil(K / c)])."""
+    n, rows, cols = weight.shape
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n, rows) if block is None else (n, -(-rows // block[0]), -(-cols // block[1]))
+    scale = (torch.rand(shape, generator=gen) + 0.5) * weight.float().abs().mean().cpu() / 8
+    values = (torch.randn(n, rows, cols, generator=gen) * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return values.to(weight.device), scale.to(weight.device)
+
+
+# K tiles of 32 on both paths: blocks of 8 and 16 columns are several scales a step, blocks of 64 span two steps.
+SMALL_TILES = MoeTiles(
+    1, (DecodeBucket(1 << 30, (8, 32, 4), (8, 32, 4)),), (GroupedBucket(1 << 30, (16, 16, 32, 4, 1)),)
+)
+
+
+@pytest.mark.parametrize("block", [None, (16, 16), (16, 64), (32, 8)], ids=str)
+@pytest.mark.parametrize("tokens, dtype", [(5, torch.float32), (9, torch.bfloat16)], ids=str)
+def test_fp8_experts_equal_the_reference(tokens, dtype, block, path):
+    """The kernels on fp8 experts with per-row or block scales (a block's columns fewer than and more than the K
+    tile's; rows more than the N tile's) equal the reference, which dequantizes them first; the last blocks of each
+    projection partial (inter 48 and hidden 40 are not whole 32 x 64 blocks)."""
+    x, logits, w13, w2 = _inputs(tokens, hidden=40, inter=48, experts=5, dtype=dtype)
+    (q13, s13), (q2, s2) = _fp8_experts(w13, block, 1), _fp8_experts(w2, block, 2)
+    got = fp8_fused_moe(x, logits.float(), q13, s13, q2, s2, 2, True, 0, block, tiles=SMALL_TILES)
+    expected = native_ops.fp8_fused_moe(x, logits.float(), q13, s13, q2, s2, 2, True, 0, block)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    assert not torch.allclose(expected, native_ops.fused_moe(x, logits.float(), q13.to(dtype), q2.to(dtype), 2, True))
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_fp8_experts_of_one_rank_under_expert_parallelism(start, path):
+    x, logits, w13, w2 = _inputs(11, hidden=32, inter=32, experts=4, dtype=torch.float32)
+    (q13, s13), (q2, s2) = _fp8_experts(w13, (16, 16), 3), _fp8_experts(w2, (16, 16), 4)
+    mine = slice(start, start + 2)
+    got = fp8_fused_moe(x, logits, q13[mine], s13[mine], q2[mine], s2[mine], 2, False, start, (16, 16), SMALL_TILES)
+    expected = native_ops.fp8_fused_moe(x, logits, q13[mine], s13[mine], q2[mine], s2[mine], 2, False, start, (16, 16))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

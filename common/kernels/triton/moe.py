@@ -19,6 +19,8 @@ Importing this module imports triton; the capability gate (omnirun.kernels) offe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -28,6 +30,37 @@ from omnirun.kernels.triton.modes import INTERPRETED
 from omnirun.kernels.triton.moe_tiles import DEFAULT, MoeTiles
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _widened(
+    w,
+    s_ptr,
+    rows,
+    row_mask,
+    k0,
+    K,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,  # 0: plain weights; 1: one scale per row; else the rows of a block of scales
+    SCALE_COLS: tl.constexpr,  # 0: one scale per row; else the columns of a block
+):
+    """A weight tile [BLOCK_N, BLOCK_K] (its `rows`, columns k0..) in float32: as stored, or, of an fp8 weight, each
+    value times its scale (`s_ptr`: the expert's scales, [rows] or [row blocks, column blocks])."""
+    GROUP: tl.constexpr = BLOCK_K if SCALE_COLS == 0 else min(SCALE_COLS, BLOCK_K)  # columns sharing a scale
+    w = w.to(tl.float32)
+    if SCALE_ROWS > 0 and SCALE_COLS == 0:
+        w = w * tl.load(s_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    elif SCALE_ROWS > 0:
+        column = (k0 + tl.arange(0, BLOCK_K // GROUP) * GROUP) // SCALE_COLS
+        s = tl.load(
+            s_ptr + (rows // SCALE_ROWS)[:, None] * stride_sn + column[None, :],
+            mask=row_mask[:, None] & (column < tl.cdiv(K, SCALE_COLS))[None, :],
+            other=0.0,
+        )
+        w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+    return w
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -46,12 +79,17 @@ def _grouped_gemm_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    s_ptr,
+    stride_se,
+    stride_sn,
     SLOTS_PER_ROW: tl.constexpr,  # a row of `a` feeds this many slots (top_k for the tokens, 1 for the slots)
     MUL_WEIGHTS: tl.constexpr,
     IEEE: tl.constexpr,  # float32 inputs: exact products (no tf32)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
+    SCALE_COLS: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -69,11 +107,21 @@ def _grouped_gemm_kernel(
             mask=valid[:, None] & (offs_k[None, :] < K),
             other=0.0,
         )
-        b = tl.load(
-            b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None],
-            mask=(offs_n[None, :] < N) & (offs_k[:, None] < K),
-            other=0.0,
-        )
+        if SCALE_ROWS > 0:  # fp8: widened and scaled in registers, then rounded to a's dtype as at load
+            w = tl.load(
+                b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :],
+                mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+                other=0.0,
+            )
+            scaled = _widened(w, s_ptr + expert * stride_se, offs_n, offs_n < N, k0, K, stride_sn, BLOCK_N, BLOCK_K,
+                              SCALE_ROWS, SCALE_COLS)  # fmt: skip
+            b = tl.trans(scaled.to(a_ptr.dtype.element_ty))
+        else:
+            b = tl.load(
+                b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None],
+                mask=(offs_n[None, :] < N) & (offs_k[:, None] < K),
+                other=0.0,
+            )
         if INTERPRETED:  # the interpreter's dot multiplies 16-bit floats' raw bits: give it float32
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         elif IEEE:
@@ -152,9 +200,14 @@ def _slot_gate_up_kernel(
     stride_xm,
     stride_we,
     stride_wn,
+    s_ptr,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
+    SCALE_COLS: tl.constexpr = 0,
 ):
     """act[slot, n] = silu(gate) * up of the slot's token through its expert's rows n and inter + n, in float32."""
     slot = tl.program_id(0).to(tl.int64)
@@ -169,9 +222,14 @@ def _slot_gate_up_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
-        mask = (offs_n[:, None] < inter) & (offs_k[None, :] < K)
-        gate += tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        up += tl.load(rows + inter * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        n_mask = offs_n < inter
+        mask = n_mask[:, None] & (offs_k[None, :] < K)
+        g = tl.load(rows + offs_k[None, :], mask=mask, other=0.0)
+        u = tl.load(rows + inter * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+        scales = s_ptr + expert * stride_se
+        gate += _widened(g, scales, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS) * x
+        up += _widened(u, scales, offs_n + inter, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS,
+                       SCALE_COLS) * x  # fmt: skip
     g, u = tl.sum(gate, 1), tl.sum(up, 1)
     tl.store(act_ptr + slot * inter + offs_n, g * tl.sigmoid(g) * u, mask=offs_n < inter)
 
@@ -190,9 +248,14 @@ def _token_down_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    s_ptr,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
+    SCALE_COLS: tl.constexpr = 0,
 ):
     """out[token, n] = sum over the token's slots of weight * (w2[expert] row n . act[slot]), in float32."""
     token = tl.program_id(0).to(tl.int64)
@@ -207,12 +270,40 @@ def _token_down_kernel(
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(act_ptr + slot * K + offs_k, mask=offs_k < K, other=0.0) * weight
-                mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-                acc += tl.load(rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * a[None, :]
+                n_mask = offs_n < N
+                w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+                acc += _widened(w, s_ptr + expert * stride_se, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K,
+                                SCALE_ROWS, SCALE_COLS) * a[None, :]  # fmt: skip
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTiles):
+@dataclasses.dataclass(frozen=True)
+class _Scales:
+    """A weight's fp8 scales as the kernels take them: the tensor (one slab per expert), and SCALE_ROWS /
+    SCALE_COLS (see _widened). `PLAIN` stands for weights in the model dtype."""
+
+    tensor: torch.Tensor | None
+    rows: int = 0
+    cols: int = 0
+
+    @classmethod
+    def of(cls, scale: torch.Tensor, block: tuple[int, int] | None) -> _Scales:
+        return cls(scale.contiguous(), 1, 0) if block is None else cls(scale.contiguous(), *block)
+
+    def args(self, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """(pointer, stride per expert, stride per row of blocks); a plain weight passes itself, never read."""
+        if self.tensor is None:
+            return weight, 0, 0
+        return self.tensor, self.tensor.stride(0), self.tensor.stride(1) if self.tensor.dim() == 3 else 0
+
+    def constexprs(self) -> dict[str, int]:
+        return {"SCALE_ROWS": self.rows, "SCALE_COLS": self.cols}
+
+
+PLAIN = _Scales(None)
+
+
+def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTiles, s13=PLAIN, s2=PLAIN):
     """The decode path: a GEMV per slot for gate|up and the activation, then one per token for the weighted down
     projections, with no sort; another rank's slots are skipped, not multiplied by zero."""
     tokens, hidden = x.shape
@@ -222,13 +313,14 @@ def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTi
     block_n, block_k, num_warps = bucket.gate_up
     _slot_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
         x, w13, experts, act, expert_start, local, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        *s13.args(w13), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **s13.constexprs(),
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k, num_warps = bucket.down
     _token_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
         act, w2, experts, weights, out, expert_start, local, hidden, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        out.stride(0), *s2.args(w2), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **s2.constexprs(),
     )  # fmt: skip
     return out
 
@@ -259,8 +351,9 @@ def sort_slots(
 
 
 def _grouped_gemm(
-    a, b, sorted_slots, block_experts, total, num_slots, slots_per_row, weights, out_dtype, tile, skips=False
-):
+    a, b, sorted_slots, block_experts, total, num_slots, slots_per_row, weights, out_dtype, tile, skips=False,
+    scales=PLAIN,
+):  # fmt: skip
     """out[slot] = a[slot // slots_per_row] @ b[expert of slot].T (x the slot's weight), for every slot this rank
     computes; with `skips`, the rows of the slots it skips are zeros."""
     n, k = b.shape[1], b.shape[2]
@@ -282,6 +375,7 @@ def _grouped_gemm(
         b.stride(0),
         b.stride(1),
         out.stride(0),
+        *scales.args(b),
         SLOTS_PER_ROW=slots_per_row,
         MUL_WEIGHTS=weights is not None,
         IEEE=a.dtype == torch.float32,
@@ -290,6 +384,7 @@ def _grouped_gemm(
         BLOCK_K=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        **scales.constexprs(),
     )
     return out
 
@@ -312,6 +407,39 @@ def fused_moe(
 
     if x.dtype not in _KERNEL_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or x.dim() != 2:
         return native_ops.fused_moe(x, router_logits, w13, w2, top_k, renormalize, expert_start)
+    return _mixture(x, router_logits, w13, w2, top_k, renormalize, expert_start, tiles, PLAIN, PLAIN)
+
+
+def fp8_fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_start: int = 0,
+    block: tuple[int, int] | None = None,
+    tiles: MoeTiles = DEFAULT,
+) -> torch.Tensor:
+    """See omnirun.layers.native_ops.fp8_fused_moe (the reference): `fused_moe` whose kernels read the fp8 experts
+    and widen each tile in registers (weight-only: the activations stay in x's dtype), each value times its scale in
+    float32; the grouped GEMMs round it to x's dtype before the dot, as dequantizing at load does. Block scales
+    need power-of-two block columns (every fp8 checkpoint's 128), else the reference runs."""
+    from omnirun.layers import native_ops
+
+    plain = x.dtype not in _KERNEL_DTYPES or x.dim() != 2 or w13.dtype != torch.float8_e4m3fn
+    if plain or w2.dtype != torch.float8_e4m3fn or (block is not None and block[1] & (block[1] - 1)):
+        return native_ops.fp8_fused_moe(
+            x, router_logits, w13, w13_scale, w2, w2_scale, top_k, renormalize, expert_start, block
+        )
+    s13, s2 = _Scales.of(w13_scale, block), _Scales.of(w2_scale, block)
+    return _mixture(x, router_logits, w13, w2, top_k, renormalize, expert_start, tiles, s13, s2)
+
+
+def _mixture(x, router_logits, w13, w2, top_k, renormalize, expert_start, tiles, s13, s2):
+    """The mixture on either path, the experts' weights plain or fp8 with their scales."""
     tokens = x.shape[0]
     if tokens == 0:
         return torch.zeros_like(x)
@@ -319,7 +447,7 @@ def fused_moe(
     weights, experts = route(router_logits, top_k, renormalize)
     slots = tokens * top_k
     if tiles.by_slot(slots, w13.shape[0]):
-        return _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles)
+        return _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles, s13, s2)
     local = w13.shape[0]
     foreign = local != router_logits.shape[-1]
     if foreign:  # expert parallelism: this rank holds experts expert_start.. only, and skips the other slots
@@ -327,10 +455,10 @@ def fused_moe(
         experts = torch.where((experts >= 0) & (experts < local), experts, local)
     tile = tiles.grouped_tile(slots, local)
     sorted_slots, block_experts, total = sort_slots(experts, local, tile[0])
-    gate_up = _grouped_gemm(x, w13, sorted_slots, block_experts, total, slots, top_k, None, x.dtype, tile)
+    gate_up = _grouped_gemm(x, w13, sorted_slots, block_experts, total, slots, top_k, None, x.dtype, tile, scales=s13)
     gate, up = gate_up.chunk(2, dim=-1)
     hidden = (F.silu(gate) * up).contiguous()
     weighted = _grouped_gemm(
-        hidden, w2, sorted_slots, block_experts, total, slots, 1, weights.flatten(), torch.float32, tile, foreign
+        hidden, w2, sorted_slots, block_experts, total, slots, 1, weights.flatten(), torch.float32, tile, foreign, s2
     )
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
