@@ -252,6 +252,19 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
         logits[:, 0] += 20.0
         logits[:, 3] -= 40.0
         return rand(7, 32), logits.to(device), rand(4, 2 * 16, 32, scale=0.2), rand(4, 32, 16, scale=0.25), 2, True
+    if name == "fp8_fused_moe":
+        # fused_moe's routing over experts kept in fp8, 128 x 128 blocks; hidden 200 leaves partial blocks.
+        logits = torch.randn(7, 4, generator=gen)
+        logits[:, 0] += 20.0
+        logits[:, 3] -= 40.0
+
+        def experts(rows, cols):
+            weight = (torch.randn(4, rows, cols, generator=gen) * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
+            scale = torch.rand(4, -(-rows // 128), -(-cols // 128), generator=gen) * 1e-2 + 1e-3
+            return weight.to(device), scale.to(device)
+
+        (w13, s13), (w2, s2) = experts(2 * 128, 200), experts(200, 128)
+        return rand(7, 200), logits.to(device), w13, s13, w2, s2, 2, True, 0, (128, 128)
     if name == "fp8_linear":
         # Decode-sized rows, 128 x 128 blocks with partial last ones; a larger batch is the kernels' own test.
         weight = (torch.randn(200, 384, generator=gen) * 8).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
