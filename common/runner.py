@@ -216,7 +216,8 @@ class ModelRunner:
                 progress = self.config.progress and self.tp.is_first
                 tensors = checkpoint.iter_tensors(progress=progress, lazy=True)
                 if self.quantization is not None:  # kept where the layer holds it, else dequantized now, once
-                    tensors = dequantized(tensors, self.quantization, self.dtype, keeps=_holds_scales(model))
+                    keeps, elsewhere = _holds_scales(model), _held_elsewhere(model)
+                    tensors = dequantized(tensors, self.quantization, self.dtype, keeps=keeps, elsewhere=elsewhere)
                 load_weights(model, tensors)
             model.prepare_weights()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -738,6 +739,19 @@ def _holds_scales(model: torch.nn.Module) -> Callable[[str], bool]:
             return False
 
     return holds
+
+
+def _held_elsewhere(model: torch.nn.Module) -> Callable[[str], bool]:
+    """Whether the checkpoint layer of a name lives on another rank (an expert under expert parallelism): this rank
+    has no target for its weight."""
+
+    def elsewhere(layer: str) -> bool:
+        try:
+            return model.checkpoint_target(f"{layer}.weight") is None
+        except (KeyError, ValueError):  # unknown here, or kept quantized: the load says what is wrong, if anything
+            return False
+
+    return elsewhere
 
 
 def _op_origin(op: Any) -> str:

@@ -43,6 +43,24 @@ def test_scales_before_their_weights_and_other_tensors_pass_through():
     assert torch.equal(out["a.weight"], dequantize_fp8(q, scale, (2, 2)))
 
 
+def test_the_parts_of_a_layer_another_rank_holds_are_never_read():
+    """Expert parallelism: another rank's expert is dropped from the stream unread (each rank would otherwise read
+    and dequantize every expert of the checkpoint)."""
+
+    class Unreadable:  # a lazy checkpoint tensor that must stay unread
+        dtype, shape = torch.float8_e4m3fn, (3, 5)
+
+        def read(self, index=None):
+            raise AssertionError("read a tensor of a layer held elsewhere")
+
+    fmt = quantized_format(_Config({"quant_method": "fp8", "weight_block_size": [2, 2]}))
+    q, scale = quantize_fp8(torch.randn(3, 5), (2, 2))
+    stream = [("e1.weight", Unreadable()), ("e0.weight", q), ("e0.weight_scale_inv", scale)]
+    stream.append(("e1.weight_scale_inv", Unreadable()))
+    out = dict(dequantized(iter(stream), fmt, torch.float32, elsewhere=lambda layer: layer == "e1"))
+    assert list(out) == ["e0.weight"]
+
+
 class _Config:
     def __init__(self, quantization: dict):
         self.quantization_config = quantization

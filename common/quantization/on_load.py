@@ -18,12 +18,14 @@ def dequantized(
     fmt: QuantizedFormat,
     dtype: torch.dtype,
     keeps: Callable[[str], bool] = lambda layer: False,
+    elsewhere: Callable[[str], bool] = lambda layer: False,
 ) -> Iterator[tuple[str, Any]]:
     """(name, tensor) of `tensors` with every layer's quantized parts replaced by its weight in `dtype`, or, for a
     layer that `keeps` its quantized weight (where the platform runs `fp8_linear` or `int4_linear`), by the
     parameters the layer holds (the format's `kept`: `<layer>.weight` and `.weight_scale` for fp8; `.weight_packed`,
     `.weight_scale` and `.weight_zero_point` for int4). A layer's parts wait for each other
-    wherever in the stream they come; a part left waiting at the end is an error."""
+    wherever in the stream they come; a part left waiting at the end is an error. The parts of a layer held
+    `elsewhere` (another rank's expert under expert parallelism) are dropped unread."""
     waiting: dict[str, tuple[str, torch.Tensor]] = {}  # part name -> (its layer, the part read whole)
     for name, source in tensors:
         if fmt.dropped(name):
@@ -31,6 +33,8 @@ def dequantized(
         layer = fmt.layer_of(name, source.dtype)
         if layer is None:
             yield name, source
+            continue
+        if elsewhere(layer):
             continue
         # Read whole now: a lazy tensor is valid only until the stream moves on.
         waiting[name] = (layer, source if isinstance(source, torch.Tensor) else source.read())

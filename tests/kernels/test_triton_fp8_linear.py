@@ -79,7 +79,9 @@ def test_activations_quantize_per_token_as_torch_rounds_them():
 
 
 @pytest.mark.parametrize(
-    "block", [None, (128, 128), (64, 256), (128, 384)], ids=["per-row", "block128", "block64x256", "block128x384"]
+    "block",
+    [None, (128, 128), (64, 256), (128, 384), (12, 128)],
+    ids=["per-row", "block128", "block64x256", "block128x384", "block12x128"],  # 12 rows: a one-row program spans two
 )
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_weight_only_kernel_equals_the_reference(block, rows):

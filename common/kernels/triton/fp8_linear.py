@@ -68,6 +68,8 @@ def _weight_only_kernel(
 ):
     # With block scales a K tile holds BLOCK_K // GROUP groups of columns sharing a scale per row.
     GROUP: tl.constexpr = BLOCK_K if SCALE_COLS == 0 else min(SCALE_COLS, BLOCK_K)
+    # One row against block scales whose rows hold whole programs: every row of a program shares its scales.
+    SHARED_SCALE_ROW: tl.constexpr = BLOCK_M == 1 and SCALE_COLS > 0 and SCALE_ROWS % BLOCK_N == 0
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -76,6 +78,7 @@ def _weight_only_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_g = tl.arange(0, BLOCK_K // GROUP)
     scale_rows = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
+    shared_scales = s_ptr + ((pid * BLOCK_N) // SCALE_ROWS).to(tl.int64) * stride_sn
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -84,12 +87,19 @@ def _weight_only_kernel(
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        if SCALE_COLS > 0:  # this tile's block scales, one per row and group: [BN, BK // GROUP]
+        if SHARED_SCALE_ROW:  # the program's row of block scales, one per group: [BK // GROUP]
+            column = (k0 + offs_g * GROUP) // SCALE_COLS
+            s_shared = tl.load(shared_scales + column, mask=column < tl.cdiv(K, SCALE_COLS), other=0.0)
+        elif SCALE_COLS > 0:  # this tile's block scales, one per row and group: [BN, BK // GROUP]
             column = (k0 + offs_g * GROUP) // SCALE_COLS
             s = tl.load(
                 scale_rows[:, None] + column[None, :], mask=n_mask[:, None] & (column < tl.cdiv(K, SCALE_COLS))[None, :]
             )
-        if BLOCK_M == 1:  # one row: multiply and reduce on the CUDA cores, scaling each group's sum
+        if BLOCK_M == 1 and SHARED_SCALE_ROW:  # one row, the program's rows in one row of blocks: scale x's groups
+            # (one multiply per input, not per weight), then one reduction per row as with per-row scales
+            xs = tl.reshape(tl.reshape(x.to(tl.float32), (BLOCK_K // GROUP, GROUP)) * s_shared[:, None], (1, BLOCK_K))
+            acc += tl.sum(w * xs, axis=1)[None, :]
+        elif BLOCK_M == 1:  # one row: multiply and reduce on the CUDA cores, scaling each group's sum
             products = w * x.to(tl.float32)
             if SCALE_COLS > 0:
                 sums = tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2)
