@@ -8,6 +8,7 @@ with fp8 (MI300, MI350) `fp8_linear` on aiter's W8A8 GEMMs, so that fp8 checkpoi
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from omnirun.device_shared.torch_gpu import (
     triton_installed,
     visible_devices_note,
 )
+from omnirun.devices.rocm.aiter_moe import AITER_MOE_ENV
 from omnirun.devices.rocm.gfx_arch import GfxArch, fp8_dtypes, gfx_target, has_bf16
 from omnirun.facts import AttentionOffer, Capabilities, GraphAPI, ProbeResult
 from omnirun.kernels import offers_triton, portable_fused_ops
@@ -93,6 +95,15 @@ class RocmPlatform(Platform):
             async_execution=True,
         )
 
+    def aiter_moe_requested(self) -> bool:
+        """Whether aiter's fused MoE replaces the Triton one: only with OMNIRUN_ROCM_AITER_MOE=1 (aiter_moe.py)."""
+        return os.environ.get(AITER_MOE_ENV) == "1"
+
+    def notes(self) -> tuple[str, ...]:
+        if aiter_installed() and not self.aiter_moe_requested():
+            return (f"aiter's fused_moe only on request ({AITER_MOE_ENV}=1): not yet measured against Triton's",)
+        return ()
+
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()  # HIP graphs, behind torch.cuda
 
@@ -113,7 +124,15 @@ class RocmPlatform(Platform):
         from omnirun.devices.rocm.aiter_ops import aiter_norm_ops
 
         caps = self.capabilities
-        ops = aiter_norm_ops(fallback=portable_fused_ops(caps))
+        portable = portable_fused_ops(caps)
+        ops = aiter_norm_ops(fallback=portable)
+        # aiter's fused MoE only on request, and only over a graph-safe portable fused_moe (Triton's) for what it
+        # hands back: the reference picks experts on the host, which a captured decode step cannot hold.
+        if self.aiter_moe_requested() and "fused_moe" in portable:
+            from omnirun.devices.rocm.aiter_moe import aiter_fused_moe
+            from omnirun.kernels.triton.moe import route
+
+            ops["fused_moe"] = aiter_fused_moe(aiter, portable["fused_moe"], route)
         # aiter's CK fp8 GEMMs ship code for CDNA (gfx9) only: RDNA4 has fp8 but aiter sends it to Triton kernels
         # of its own (ROCm/aiter:aiter/ops/gemm_op_a8w8.py, _ck_a8w8_supported), which omnirun has not wired.
         if caps.fp8_e4m3_dtype is not None and GfxArch.parse(self._device_properties().gcnArchName).major == 9:

@@ -14,7 +14,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # fake_aiter.py sits here, outside any package
-from fake_aiter import make_aiter  # noqa: E402
+from fake_aiter import make_aiter, modules  # noqa: E402
 
 
 @pytest.fixture
@@ -23,7 +23,8 @@ def use_aiter(monkeypatch: pytest.MonkeyPatch):
 
     def install(gfx: str = "gfx942"):
         module = make_aiter(gfx)
-        monkeypatch.setitem(sys.modules, "aiter", module)
+        for name, part in modules(module).items():
+            monkeypatch.setitem(sys.modules, name, part)
         return module
 
     return install

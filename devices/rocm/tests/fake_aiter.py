@@ -20,6 +20,7 @@ import types
 
 import torch
 from fake_aiter_fp8 import fp8_api
+from fake_aiter_moe import ActivationType, moe_module
 
 HALF = (torch.bfloat16, torch.float16)
 NORM_DTYPES = (*HALF, torch.float32)
@@ -64,7 +65,14 @@ def make_aiter(gfx: str = "gfx942") -> types.ModuleType:
         setattr(module, fn.__name__, counted(fn))
     for name, value in fp8_api(e4m3, _require, counted).items():  # the fp8 GEMMs (fake_aiter_fp8.py)
         setattr(module, name, value)
+    module.ActivationType = ActivationType
+    module.fused_moe = moe_module(_require, counted)  # fake_aiter_moe.py; importable once installed (`modules`)
     return module
+
+
+def modules(module: types.ModuleType) -> dict[str, types.ModuleType]:
+    """The sys.modules entries that make a fake aiter importable, `from aiter.fused_moe import fused_moe` too."""
+    return {"aiter": module, "aiter.fused_moe": module.fused_moe}
 
 
 # --- paged decode ---

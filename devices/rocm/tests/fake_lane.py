@@ -23,7 +23,7 @@ from omnirun.registry import PlatformRegistry
 from omnirun_fakes.device import HostStandsInForDevice, recording_graph_api
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_aiter sits beside this file, outside any package
-from fake_aiter import make_aiter  # noqa: E402
+from fake_aiter import make_aiter, modules  # noqa: E402
 
 FAKE_GCN_ARCH = "gfx942:sramecc+:xnack-"  # an MI300X, as ROCm torch reports it
 
@@ -58,5 +58,5 @@ class FakeRocmPlatform(HostStandsInForDevice, RocmPlatform):
 
 def install(registry: PlatformRegistry) -> None:
     """The lane's registry hook (tests/support/omnirun_fakes/lane.py)."""
-    sys.modules["aiter"] = make_aiter("gfx942")
+    sys.modules.update(modules(make_aiter("gfx942")))
     registry.register(FakeRocmPlatform())
