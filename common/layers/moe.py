@@ -14,6 +14,7 @@ float32 scales, per output row or per block, stacked as the weights are. Elsewhe
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -65,7 +66,7 @@ class SparseMoE(nn.Module):
         of each projection are whole blocks (gate's and up's rows stacked block by block, the down projection's
         inputs cut at block edges; the last block of the checkpoint's may be partial)."""
         if not runs_fp8_experts(ops):
-            logger.info("this device runs no fp8_fused_moe kernel: fp8 experts are dequantized at load")
+            _say_once("this device runs no fp8_fused_moe kernel: fp8 experts are dequantized at load")
             return False
         if fp8.block is None:
             return True
@@ -73,7 +74,7 @@ class SparseMoE(nn.Module):
         part = self.columns
         cut = part.size % rows or part.start % rows or part.start % cols or (part.size % cols and part.end != part.full)
         if cut:
-            logger.info("fp8 blocks %s cut at expert columns %s: the experts are dequantized at load", fp8.block, part)
+            _say_once(f"fp8 blocks {list(fp8.block)} cut at expert columns {part}: the experts are dequantized at load")
         return not cut
 
     def _scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
@@ -136,6 +137,12 @@ class SparseMoE(nn.Module):
     def extra_repr(self) -> str:
         kept = "" if self.fp8 is None else f", fp8={'per-row' if self.fp8.block is None else list(self.fp8.block)}"
         return f"experts={self.experts.start}..{self.experts.stop - 1} of {self.num_experts}, top_k={self.top_k}{kept}"
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    """One log line however many layers say it."""
+    logger.info(line)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
