@@ -14,6 +14,9 @@ each token sums its slots' down projections in a second, weighted, in float32: t
 the grouped path makes about twenty. The routing is one launch on either path (float32 softmax, top-k with the first
 index winning ties, renormalisation), computed as HF's routers compute it.
 
+Experts kept in fp8 (`fp8_fused_moe`) take the same kernels: each fp8 tile is widened in registers and multiplied by
+its per-row or block scales (`_widened`), so a step reads half the bytes of bf16's; the activations stay unquantized.
+
 Importing this module imports triton; the capability gate (omnirun.kernels) offers it only where triton runs.
 """
 
