@@ -98,6 +98,10 @@ def _prefill(backend, kv, layer, q, k, v, chunks: list[int], neighbours: int = 0
 def test_a_query_gets_the_same_bits_however_its_prompt_is_stepped(make, dtype, window):
     kv, context, layer = _setup(window, dtype)
     backend = make(context)
+    if dtype == torch.float32 and hasattr(backend, "num_splits") and not _moves_rows_within_tiles(backend):
+        # Triton's interpreter runs the kernels' float32 path as their bf16 one minus the casts, at half a minute a
+        # case on a CI core: the bf16 cases hold it there, compiled lanes run both.
+        pytest.skip("triton in float32: compiled devices only (the interpreter's bf16 cases cover its logic)")
     q, k, v = _inputs(dtype, PROMPT_LEN, seed=1)
     rng = random.Random(2)
     whole = _prefill(backend, kv, layer, q, k, v, [PROMPT_LEN])
