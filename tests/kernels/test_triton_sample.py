@@ -73,7 +73,7 @@ def test_a_tie_longer_than_the_short_list_searches_the_whole_row():
     assert torch.equal(sample(logits, batch).cpu(), reference.sample(logits, batch).cpu())
     # Many unseeded draws of row 0: the tie's tokens past the list's room are drawn too.
     torch.manual_seed(0)
-    copies = 128
+    copies = 128 if _compiled() else 64  # the interpreter runs each copy's program step by step
     unseeded = SamplingBatch.build([SamplingParams(temperature=3.0, top_k=k)] * copies, [0] * copies, DEVICE, vocab)
     draws = sample(logits[:1].expand(copies, -1).contiguous(), unseeded).cpu()
     assert kept[0, draws].all()
