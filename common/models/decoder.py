@@ -161,8 +161,7 @@ def _mlp(
         )
     # The experts' checkpoint modules (expert 0's stand for all: a config quantizes or ignores them alike).
     expert = f"model.layers.{layer_id}.{'block_sparse_moe' if moe.mixtral_names else 'mlp'}.experts.0"
-    projections = ("w1", "w3", "w2") if moe.mixtral_names else ("gate_proj", "up_proj", "down_proj")
-    quantized = quantized_of([f"{expert}.{p}" for p in projections])
+    quantized = quantized_of([f"{expert}.{p}" for p in _expert_projections(moe.mixtral_names)])
     if layout.expert_parallel:
         columns = Slice.whole(moe.intermediate_size)
         experts = range(layout.expert_start, layout.expert_start + layout.experts_per_rank)
@@ -271,9 +270,14 @@ _EXPERT_PROJECTIONS = {
 def _expert_names(moe_path: str, moe: SparseMoE, mixtral: bool) -> list[str]:
     """The checkpoint names of the projections of the experts (this rank's) of the MoE module at `moe_path`."""
     prefix = moe_path.replace(".mlp", ".block_sparse_moe") if mixtral else moe_path
-    projections = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     params = ("weight", "weight_scale") if moe.fp8 is not None else ("weight",)
+    projections = _expert_projections(mixtral)
     return [f"{prefix}.experts.{e}.{p}.{param}" for e in moe.experts for p in projections for param in params]
+
+
+def _expert_projections(mixtral: bool) -> tuple[str, str, str]:
+    """An expert's gate, up and down projections as the checkpoint names them."""
+    return ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
 
 
 class DecoderForCausalLM(nn.Module):
