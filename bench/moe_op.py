@@ -8,7 +8,9 @@ decode step runs its layers. `--sweep` also times each path's candidate tiles an
 faster path per batch, and each path's fastest tiles, one bucket per swept batch size.
 
 `--fp8` also times `fp8_fused_moe` on the same experts quantized to fp8 in 128 x 128 blocks (as Qwen3-30B-A3B-FP8
-ships them), each path at the table's tiles, against the floor of the fp8 bytes.
+ships them), each path at the table's tiles (the decode path at its fp8 tiles, `fp8_decode`), against the floor of
+the fp8 bytes; with `--sweep` the fp8 decode tiles are swept too, and `--write-table` writes the fastest into
+`fp8_decode` (without `--fp8` it keeps the current table's).
 
     python bench/moe_op.py --device cuda --preset qwen3-30b-a3b --batch-sizes 1 4 16 64 256 \
         --json bench/results/h100_moe_op.json [--sweep --write-table] [--fp8]
@@ -61,25 +63,31 @@ def candidates(path: str, decode: DecodeBucket):
 
 
 def swept_table(rows: list[dict], experts: int, top_k: int) -> MoeTiles:
-    """The launch table a sweep measured: the decode path up to the largest batch where it was faster, and each
-    swept batch's fastest tiles as a bucket bounded by its slots."""
+    """The launch table a sweep measured: the decode path up to the largest batch where it was faster (bf16's
+    crossover), and each swept batch's fastest tiles as a bucket bounded by its slots (the fp8 decode tiles where the
+    rows swept them)."""
 
     def fastest(row, prefix):
         times = {k: v for k, v in row.items() if k.startswith(prefix)}
         return tuple(int(n) for n in min(times, key=times.get).removeprefix(prefix).removesuffix("_ms").split("x"))
 
     decode_wins = [row["batch"] * top_k for row in rows if row["by_slot_ms"] < row["grouped_ms"]]
-    decode = tuple(
-        DecodeBucket(row["batch"] * top_k, fastest(row, "by_slot_gate_up_"), fastest(row, "by_slot_down_"))
-        for row in rows
-        if any(k.startswith("by_slot_gate_up_") for k in row)
+    decode, fp8_decode = (
+        tuple(
+            DecodeBucket(row["batch"] * top_k, fastest(row, f"{prefix}gate_up_"), fastest(row, f"{prefix}down_"))
+            for row in rows
+            if any(k.startswith(f"{prefix}gate_up_") for k in row)
+        )
+        for prefix in ("by_slot_", "fp8_by_slot_")
     )
     grouped = tuple(
         GroupedBucket(-(-row["batch"] * top_k // experts), fastest(row, "grouped_tile_"))
         for row in rows
         if any(k.startswith("grouped_tile_") for k in row)
     )
-    return MoeTiles(max(decode_wins, default=0) / experts, _distinct(decode), _distinct(grouped))
+    return MoeTiles(
+        max(decode_wins, default=0) / experts, _distinct(decode), _distinct(grouped), fp8_decode=_distinct(fp8_decode)
+    )
 
 
 def _distinct(buckets):
@@ -121,9 +129,10 @@ FP8_SLOT_TILES = {"gate_up": [(4, 1024, 4), (8, 1024, 8)], "down": [(4, 1024, 4)
 
 
 def fp8_row(row, fp8s, x, logits, top_k, renormalize, table, floor_ms, platform, sweep) -> None:
-    """`fp8_fused_moe` on each path at the table's tiles: its time, its error against the reference on the
-    dequantized experts, and the floor of the fp8 experts' bytes (`floor_ms`: one byte a weight); with `sweep`,
-    the decode path's candidate tiles too."""
+    """`fp8_fused_moe` on each path at the table's tiles (the decode path at its fp8 ones): its time, its error
+    against the reference on the dequantized experts, and the floor of the fp8 experts' bytes (`floor_ms`: one byte
+    a weight); with `sweep`, the decode path's candidate tiles too, one kernel varied at a time, the other at the
+    table's fp8 tile."""
     (q13, s13), (q2, s2) = fp8s[0]
     block = (128, 128)
     expected = native_ops.fp8_fused_moe(x, logits, q13, s13, q2, s2, top_k, renormalize, 0, block).float()
@@ -140,11 +149,12 @@ def fp8_row(row, fp8s, x, logits, top_k, renormalize, table, floor_ms, platform,
         row[f"fp8_{path}_ms"] = graph_ms(platform, functools.partial(run, tiles))
         if not sweep or path != "by_slot":
             continue
-        decode = tiles.slot_tiles(x.shape[0] * top_k)
+        decode = tiles.slot_tiles(x.shape[0] * top_k, fp8=True)
         fixed = {"gate_up": decode.gate_up, "down": decode.down}
         for kernel, tried in SLOT_TILES.items():
             for tile in (*tried, *FP8_SLOT_TILES[kernel]):
-                varied = dataclasses.replace(tiles, decode=(DecodeBucket(1 << 30, **{**fixed, kernel: tile}),))
+                bucket = DecodeBucket(1 << 30, **{**fixed, kernel: tile})
+                varied = dataclasses.replace(tiles, fp8_decode=(bucket,))
                 name = f"fp8_by_slot_{kernel}_{'x'.join(map(str, tile))}_ms"
                 row[name] = graph_ms(platform, functools.partial(run, varied))
 
@@ -240,7 +250,12 @@ def main() -> None:
                 print(f"    fastest {best}: {tiles[best]:.3f} ms  ({', '.join(f'{v:.3f}' for v in tiles.values())})")
     if args.write_table:
         path = TABLES / table_name(platform.capabilities.device_name)
-        path.write_text(dumps(swept_table(results, E, top_k)))
+        swept = swept_table(results, E, top_k)
+        if not swept.fp8_decode:  # fp8 not swept (no --fp8): the current table's fp8 tiles stay
+            current = tiles_for(platform.capabilities.device_name)
+            swept = dataclasses.replace(swept, fp8_decode=current.fp8_decode)
+            print(f"fp8_decode kept from {current.source} (--fp8 sweeps it)")
+        path.write_text(dumps(swept))
         print(f"wrote {path}")
     if args.json:
         with open(args.json, "w") as f:

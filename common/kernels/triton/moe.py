@@ -308,11 +308,12 @@ PLAIN = _Scales(None)
 
 def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTiles, s13=PLAIN, s2=PLAIN):
     """The decode path: a GEMV per slot for gate|up and the activation, then one per token for the weighted down
-    projections, with no sort; another rank's slots are skipped, not multiplied by zero."""
+    projections, with no sort; another rank's slots are skipped, not multiplied by zero. fp8 experts (scales given)
+    take the table's fp8 tiles (`fp8_decode`, else `decode`'s)."""
     tokens, hidden = x.shape
     local, inter = w13.shape[0], w2.shape[2]
     act = torch.empty(tokens * top_k, inter, dtype=torch.float32, device=x.device)
-    bucket = tiles.slot_tiles(tokens * top_k)
+    bucket = tiles.slot_tiles(tokens * top_k, fp8=s13.tensor is not None)
     block_n, block_k, num_warps = bucket.gate_up
     _slot_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
         x, w13, experts, act, expert_start, local, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),

@@ -4,15 +4,18 @@ with every character outside letters and digits made "_", as vLLM names its fuse
 op table is built; a device without one gets DEFAULT, measured on an H100. `python bench/moe_op.py --sweep
 --write-table` writes a device's table from its own sweep.
 
-A table (every key required):
+A table (every key required but `fp8_decode`):
 
     {"decode_max_slots_per_expert": 1,
      "decode": [{"max_slots": 8, "gate_up": [4, 512, 4], "down": [4, 512, 4]}, ...],
+     "fp8_decode": [{"max_slots": 8, "gate_up": [2, 1024, 4], "down": [4, 1024, 4]}, ...],
      "grouped": [{"max_slots_per_expert": 32, "tile": [16, 64, 128, 4, 3]}, ...]}
 
-`decode`: (BLOCK_N, BLOCK_K, warps) of the two decode kernels up to `max_slots` slots; `grouped`: (BLOCK_M,
-BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMMs up to `max_slots_per_expert` slots per local expert. Buckets
-ascend; the last one also serves anything larger (its bound says how far the sweep went).
+`decode`: (BLOCK_N, BLOCK_K, warps) of the two decode kernels up to `max_slots` slots; `fp8_decode`: the same for
+`fp8_fused_moe` (experts in fp8: half the bytes a row, so other tiles win), absent: fp8 takes `decode`'s; `grouped`:
+(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMMs up to `max_slots_per_expert` slots per local expert
+(either dtype). Buckets ascend; the last one also serves anything larger (its bound says how far the sweep went).
+`python bench/moe_op.py --sweep --write-table --fp8` writes `fp8_decode` too.
 """
 
 from __future__ import annotations
@@ -46,14 +49,17 @@ class MoeTiles:
     decode_max_slots_per_expert: float
     decode: tuple[DecodeBucket, ...]
     grouped: tuple[GroupedBucket, ...]
+    fp8_decode: tuple[DecodeBucket, ...] = ()  # the decode kernels' tiles on fp8 experts; empty: `decode`'s
     source: str = dataclasses.field(default="default", compare=False)  # the table's file, or "default"
 
     def by_slot(self, slots: int, local_experts: int) -> bool:
         """Whether `slots` (tokens x top_k) over this many local experts take the decode path."""
         return slots <= self.decode_max_slots_per_expert * local_experts
 
-    def slot_tiles(self, slots: int) -> DecodeBucket:
-        return next((b for b in self.decode if slots <= b.max_slots), self.decode[-1])
+    def slot_tiles(self, slots: int, fp8: bool = False) -> DecodeBucket:
+        """The decode kernels' tiles for `slots`: of the fp8 buckets for experts in fp8, where the table has any."""
+        buckets = self.fp8_decode if fp8 and self.fp8_decode else self.decode
+        return next((b for b in buckets if slots <= b.max_slots), buckets[-1])
 
     def grouped_tile(self, slots: int, local_experts: int) -> tuple[int, int, int, int, int]:
         per_expert = slots / local_experts
@@ -63,10 +69,17 @@ class MoeTiles:
 # Measured on an H100 (bench/results/h100_moe_op_sweep_qwen3_30b_a3b.json, h100_moe_op_qwen3_30b_a3b_757ca9b.json):
 # the decode path faster up to 16 Qwen3-30B-A3B tokens (128 slots over 128 experts); its tiles the fastest of seven
 # each; the grouped tile the fastest of ten from 64 to 2,048 slots, 64 x 64 x 32 beyond.
+# fp8 experts (bench/results/h100_moe_op_fp8_sweep_915fcc3.json, Qwen3-30B-A3B in 128 x 128 blocks): at 8 slots
+# gate_up 2 x 1024 x 4 0.127 ms and down 4 x 1024 x 4 0.115; at 32 slots gate_up 2 x 1024 x 4 0.315 and down
+# 8 x 256 x 4 0.293. `decode`'s tiles for both: 0.143 and 0.343 as the row's fp8_by_slot_ms, 0.130 and 0.330 where
+# the sweep timed them again, so gate_up's gain is within that spread, down's (~11%) not. Each kernel's best was
+# found with the other at `decode`'s tile, not timed together: the next `bench/moe_op.py --fp8` run times them
+# together (its fp8_by_slot_ms).
 DEFAULT = MoeTiles(
     decode_max_slots_per_expert=1,
     decode=(DecodeBucket(8, (4, 512, 4), (4, 512, 4)), DecodeBucket(128, (8, 512, 4), (4, 256, 4))),
     grouped=(GroupedBucket(32, (16, 64, 128, 4, 3)), GroupedBucket(64, (64, 64, 32, 4, 3))),
+    fp8_decode=(DecodeBucket(8, (2, 1024, 4), (4, 1024, 4)), DecodeBucket(128, (2, 1024, 4), (8, 256, 4))),
 )
 
 
@@ -80,10 +93,9 @@ def from_json(data: dict[str, Any], source: str) -> MoeTiles:
     try:
         tiles = MoeTiles(
             decode_max_slots_per_expert=float(data["decode_max_slots_per_expert"]),
-            decode=tuple(
-                DecodeBucket(int(b["max_slots"]), _ints(b["gate_up"], 3), _ints(b["down"], 3)) for b in data["decode"]
-            ),
+            decode=_decode_buckets(data["decode"]),
             grouped=tuple(GroupedBucket(int(b["max_slots_per_expert"]), _ints(b["tile"], 5)) for b in data["grouped"]),
+            fp8_decode=_decode_buckets(data["fp8_decode"]) if "fp8_decode" in data else (),
             source=source,
         )
     except (KeyError, TypeError, ValueError) as error:
@@ -91,10 +103,16 @@ def from_json(data: dict[str, Any], source: str) -> MoeTiles:
         raise ValueError(f"{problem}: see omnirun.kernels.triton.moe_tiles for the format") from None
     if not tiles.decode or not tiles.grouped:
         raise ValueError(f"{source}: a fused_moe tile table needs at least one decode and one grouped bucket")
-    for buckets, bound in ((tiles.decode, "max_slots"), (tiles.grouped, "max_slots_per_expert")):
+    if "fp8_decode" in data and not tiles.fp8_decode:
+        raise ValueError(f"{source}: fp8_decode, where given, needs at least one bucket (leave it out for decode's)")
+    for key, buckets, bound in (
+        ("decode", tiles.decode, "max_slots"),
+        ("fp8_decode", tiles.fp8_decode, "max_slots"),
+        ("grouped", tiles.grouped, "max_slots_per_expert"),
+    ):
         bounds = [getattr(bucket, bound) for bucket in buckets]
         if bounds != sorted(set(bounds)):
-            raise ValueError(f"{source}: the buckets' {bound} must ascend, not {bounds}")
+            raise ValueError(f"{source}: the {key} buckets' {bound} must ascend, not {bounds}")
     return tiles
 
 
@@ -102,19 +120,23 @@ def dumps(tiles: MoeTiles) -> str:
     """A table's file text: one bucket a line."""
     data = to_json(tiles)
     lines = [f'{{"decode_max_slots_per_expert": {json.dumps(data["decode_max_slots_per_expert"])},']
-    for key in ("decode", "grouped"):
+    keys = [key for key in ("decode", "fp8_decode", "grouped") if key in data]
+    for key in keys:
         buckets = ",\n  ".join(json.dumps(bucket) for bucket in data[key])
-        lines.append(f' "{key}": [\n  {buckets}\n ]' + ("," if key == "decode" else "}"))
+        lines.append(f' "{key}": [\n  {buckets}\n ]' + ("}" if key == keys[-1] else ","))
     return "\n".join(lines) + "\n"
 
 
 def to_json(tiles: MoeTiles) -> dict[str, Any]:
-    """A table as `from_json` reads it."""
-    return {
+    """A table as `from_json` reads it (`fp8_decode` only where the table has fp8 buckets)."""
+    data: dict[str, Any] = {
         "decode_max_slots_per_expert": tiles.decode_max_slots_per_expert,
-        "decode": [{"max_slots": b.max_slots, "gate_up": list(b.gate_up), "down": list(b.down)} for b in tiles.decode],
-        "grouped": [{"max_slots_per_expert": b.max_slots_per_expert, "tile": list(b.tile)} for b in tiles.grouped],
+        "decode": _decode_json(tiles.decode),
     }
+    if tiles.fp8_decode:
+        data["fp8_decode"] = _decode_json(tiles.fp8_decode)
+    data["grouped"] = [{"max_slots_per_expert": b.max_slots_per_expert, "tile": list(b.tile)} for b in tiles.grouped]
+    return data
 
 
 @functools.cache
@@ -124,6 +146,14 @@ def tiles_for(device_name: str | None, tables: Path = TABLES) -> MoeTiles:
     if device_name and path.is_file():
         return from_json(json.loads(path.read_text()), str(path))
     return DEFAULT
+
+
+def _decode_buckets(buckets: Any) -> tuple[DecodeBucket, ...]:
+    return tuple(DecodeBucket(int(b["max_slots"]), _ints(b["gate_up"], 3), _ints(b["down"], 3)) for b in buckets)
+
+
+def _decode_json(buckets: tuple[DecodeBucket, ...]) -> list[dict[str, Any]]:
+    return [{"max_slots": b.max_slots, "gate_up": list(b.gate_up), "down": list(b.down)} for b in buckets]
 
 
 def _ints(values: Any, count: int) -> tuple[int, ...]:
