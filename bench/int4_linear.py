@@ -30,8 +30,13 @@ from omnirun.registry import select_platform
 
 GEMV_TILES = [  # one row: N, K step, warps, stages
     (16, 1024, 4, 4),
-    (8, 1024, 4, 4),
-    (32, 512, 4, 4),
+    (16, 1024, 4, 1),
+    (8, 1024, 4, 1),
+    (16, 512, 2, 1),
+    (32, 512, 4, 1),
+    (32, 512, 8, 1),
+    (16, 2048, 8, 1),
+    (64, 512, 8, 1),
 ]
 GEMM_TILES = [  # M, N, K step, warps, stages, K splits
     (64, 128, 64, 4, 3, 1),

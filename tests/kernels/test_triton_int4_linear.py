@@ -1,6 +1,6 @@
 """The Triton `int4_linear` kernels against the op's torch reference (omnirun.layers.native_ops.int4_linear),
-which dequantizes as a load does: one row (CUDA-core reduction, 1024-input K steps holding several groups of 32 or
-part of one of 128); 5, 16 and 70 rows (the GEMM's dots, K steps inside one group); K split over programs; the
+which dequantizes as a load does: one row (CUDA-core products, K steps holding several groups, part of one, or
+ending past K); 5, 16 and 70 rows (the GEMM's dots, K steps inside one group); K split over programs; the
 weight dequantized whole, then a matmul; bf16 and fp16 activations; N and K that leave partial tiles and a partial
 last group; zero points over the whole 0..15 range. Within 16-bit rounding of the output. Without a GPU the kernels
 run in Triton's interpreter."""
@@ -35,10 +35,10 @@ def _to(*tensors):
     return tuple(t.to(DEVICE) if t is not None else None for t in tensors)
 
 
-def _check(rows: int, group: int, kernel, dtype=torch.bfloat16, **tiles) -> None:
+def _check(rows: int, group: int, kernel, dtype=torch.bfloat16, k: int = K, **tiles) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + group)
-    packed, scale, zero = _weight(N, K, group, gen)
-    x = torch.randn(rows, K, generator=gen).to(dtype)
+    packed, scale, zero = _weight(N, k, group, gen)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
     bias = torch.randn(N, generator=gen).to(dtype)
     got = kernel(*_to(x, packed, scale, zero, bias), group, **tiles).cpu()
     assert got.dtype == dtype
@@ -47,9 +47,17 @@ def _check(rows: int, group: int, kernel, dtype=torch.bfloat16, **tiles) -> None
     torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=1.6e-2)
 
 
-@pytest.mark.parametrize("group", [32, 128])
-def test_gemv_equals_the_reference(group):
-    _check(1, group, kernels.gemv)
+@pytest.mark.parametrize(
+    ("group", "block_k", "k", "dtype"),
+    [
+        (32, 1024, K, torch.bfloat16),  # a step of 32 groups, K a partial step
+        (128, 1024, K, torch.float16),  # a partial last group
+        (128, 64, K, torch.bfloat16),  # two steps a group
+        (32, 256, 512, torch.float16),  # K whole steps: no mask along K
+    ],
+)
+def test_gemv_equals_the_reference(group, block_k, k, dtype):
+    _check(1, group, kernels.gemv, dtype=dtype, k=k, block_k=block_k)
 
 
 @pytest.mark.parametrize("group", [32, 128])

@@ -3,8 +3,9 @@ omnirun.layers.linear.Int4Weights holds): the op table's `int4_linear` in Triton
 
 The weight is int32 [N, K / 8] (eight consecutive inputs a word, the lowest bits first), with float32 scales and
 uint8 zero points [N, groups] over groups of GROUP consecutive inputs. By rows of x:
-- one row (decode, `gemv`): each program reads a [BLOCK_N, BLOCK_K / 8] tile of words, unpacks the nibbles in
-  registers, multiplies by x and reduces along K on the CUDA cores;
+- one row (decode, `gemv`): each program reads [BLOCK_N, BLOCK_K / 8] words a step; each thread multiplies the
+  nibbles of the words it holds by x on the CUDA cores and keeps the sums apart until the last step (about 5
+  instructions a weight in sm90 SASS, against 10 where each step reduced along K across threads);
 - up to DEQUANTIZE_MIN_ROWS (`gemm`): tensor-core dots on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, the weight
   tile unpacked once per BLOCK_M rows; a few rows make few output tiles, so K is split over programs too, each
   writing a float32 partial sum that one sum adds up (deterministic, no atomics);
@@ -15,9 +16,9 @@ The nibbles become numbers without a conversion instruction (int -> float conver
 CUDA cores' rate, and each weight element paid one per row tile): OR-ing a nibble q into the low mantissa bits of
 2^23 (float32), 128 (bfloat16) or 1024 (float16) gives that power plus q exactly, and subtracting the power plus the
 zero point leaves q - z, an exact small integer (the "magic number" conversion of FasterTransformer and Marlin; Kim
-et al., "Who Says Elephants Can't Run", arXiv:2211.10017). The scale multiplies each group's partial product, not
-each weight, so a weight tile needs no arithmetic past that one subtraction, and the products are those of the
-unrounded dequantized weight.
+et al., "Who Says Elephants Can't Run", arXiv:2211.10017). The GEMV leaves nibbles in place (q x 16^p, see
+`_nibble_at`) and subtracts the zero point once a word. The scale multiplies each group's partial product, not each
+weight, so a weight needs no arithmetic past that one subtraction and its product.
 
 Interpreter-safe: Triton's interpreter multiplies 16-bit floats' raw bits in tl.dot, truncates float32 -> bfloat16
 casts and bitcasts bfloat16 wrongly, so there the dots take float32 inputs and bfloat16 models float32 nibbles
@@ -100,39 +101,113 @@ def _int4_kernel(
         q = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK / 8, 8]: input 8c + j at [:, c, j]
         kk = k0 + offs_k
         x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
-        if BLOCK_M == 1:  # CUDA cores
-            if GROUP % BLOCK_K == 0:  # the step lies inside one group: sum x * (q - z), then scale the sum
-                s = tl.load(s_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0.0)
-                z = tl.load(z_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0).to(tl.int32)
-                w = _float32_nibbles(tl.reshape(q, (BLOCK_N, BLOCK_K)), z[:, None])
-                acc += (tl.sum(w * x.to(tl.float32), axis=1) * s)[None, :]
-            else:  # the step spans BLOCK_K // GROUP whole groups: scale each weight
-                g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                g_mask = n_mask[:, None] & (g * GROUP < K)[None, :]
-                s = tl.load(s_ptr + s_rows[:, None] + g[None, :], mask=g_mask, other=0.0)
-                z = tl.load(z_ptr + s_rows[:, None] + g[None, :], mask=g_mask, other=0).to(tl.int32)
-                q3 = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP))
-                w = tl.reshape(_float32_nibbles(q3, z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
-                acc += tl.sum(w * x.to(tl.float32), axis=1)[None, :]
-        else:  # tensor cores: one group per step; dot with q - z, then scale the [BM, BN] partial product
-            s = tl.load(s_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0.0)
-            z = tl.load(z_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0).to(tl.int32)
-            q = tl.reshape(q, (BLOCK_N, BLOCK_K))
-            dtype: tl.constexpr = x_ptr.dtype.element_ty
-            if INTERPRETED and dtype == tl.bfloat16:  # the interpreter's bfloat16 bitcasts are wrong: float32
-                w = _float32_nibbles(q, z[:, None])
-            else:
-                w = _16bit_nibbles(q, dtype, MAGIC_16) - _16bit_nibbles(z, dtype, MAGIC_16)[:, None]  # q - z, exact
-            if INTERPRETED:  # the interpreter's dot multiplies 16-bit floats' raw bits: give it float32
-                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-            else:
-                part = tl.dot(x, tl.trans(w))
-            acc += part * s[None, :]
+        # one group per step: dot with q - z, then scale the [BM, BN] partial product
+        s = tl.load(s_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0.0)
+        z = tl.load(z_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0).to(tl.int32)
+        q = tl.reshape(q, (BLOCK_N, BLOCK_K))
+        dtype: tl.constexpr = x_ptr.dtype.element_ty
+        if INTERPRETED and dtype == tl.bfloat16:  # the interpreter's bfloat16 bitcasts are wrong: float32
+            w = _float32_nibbles(q, z[:, None])
+        else:
+            w = _16bit_nibbles(q, dtype, MAGIC_16) - _16bit_nibbles(z, dtype, MAGIC_16)[:, None]  # q - z, exact
+        if INTERPRETED:  # the interpreter's dot multiplies 16-bit floats' raw bits: give it float32
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        else:
+            part = tl.dot(x, tl.trans(w))
+        acc += part * s[None, :]
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + split * stride_ys + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _nibble_at(word, p: tl.constexpr, nibble_mask):
+    """The nibble at bits 4p..4p+3 (p <= 4) of an int32 word as float32 q x 16^p, exactly, in one AND-OR and one
+    subtraction: 2^23 with the nibble in place is 2^23 + q x 16^p, the nibble lying inside the mantissa."""
+    return ((word & (nibble_mask << (4 * p))) | _F32_MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _word_products(words, x, nibble_mask):
+    """Each word's sum of its eight inputs times their nibbles q (zero points apart): words [N, W] int32, x [W, 8]
+    float32. Nibbles 0-4 are read in place and nibbles 5-7 after one shift of the word by 12 bits, each
+    as q x 16^p (`_nibble_at`), so x is divided by 16^p first (exact: powers of two), once for every row of the tile.
+    The eight inputs of a word are split off x's last axis, which one thread holds: no exchange between threads."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2, 2)))  # input 4a + 2b + c at [:, a, b] of c
+    x0_4, x2_6 = tl.split(even)
+    x1_5, x3_7 = tl.split(odd)
+    x0, x4 = tl.split(x0_4)
+    x2, x6 = tl.split(x2_6)
+    x1, x5 = tl.split(x1_5)
+    x3, x7 = tl.split(x3_7)
+    high = words >> 12  # nibbles 5, 6, 7 at bits 8..19 (the masks drop the sign bits an arithmetic shift brings)
+    part = _nibble_at(words, 0, nibble_mask) * x0[None, :]
+    part += _nibble_at(words, 1, nibble_mask) * (x1 * 0.0625)[None, :]
+    part += _nibble_at(words, 2, nibble_mask) * (x2 * 0.00390625)[None, :]
+    part += _nibble_at(words, 3, nibble_mask) * (x3 * 0.000244140625)[None, :]
+    part += _nibble_at(words, 4, nibble_mask) * (x4 * 0.0000152587890625)[None, :]
+    part += _nibble_at(high, 2, nibble_mask) * (x5 * 0.00390625)[None, :]
+    part += _nibble_at(high, 3, nibble_mask) * (x6 * 0.000244140625)[None, :]
+    part += _nibble_at(high, 4, nibble_mask) * (x7 * 0.0000152587890625)[None, :]
+    return part
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_sn,  # scales' and zero points' row stride (both [N, groups], contiguous)
+    nibble_mask,  # 0xF, as an argument: a constant mask would be loaded into a register before every AND-OR
+    GROUP: tl.constexpr,  # inputs per scale: a multiple of 8 that divides BLOCK_K or is a multiple of it
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no mask along K (the words load in 16-byte vectors)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """y [1, N] = x [1, K] W^T on the CUDA cores. Each thread sums the eight products of each word it holds (no
+    exchange between threads), scales the sums by their groups' scales and adds them to an accumulator of the
+    tile's shape; the threads' partial sums meet once, after the last step (a reduction per step cost more shuffles
+    and adds than the products themselves)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # inputs of one group within a step
+    GROUPS: tl.constexpr = BLOCK_K // SPAN
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WORDS)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = offs_n[:, None].to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        word = k0 // 8 + offs_w
+        kk = word[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WORDS, 8]: input 8c + j of word c
+        if EVEN_K:
+            words = tl.load(w_rows + word[None, :], mask=n_mask[:, None], other=0)
+            x = tl.load(x_ptr + kk)
+        else:
+            words = tl.load(w_rows + word[None, :], mask=n_mask[:, None] & (word * 8 < K)[None, :], other=0)
+            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+        x = x.to(tl.float32)
+        g = (k0 + tl.arange(0, GROUPS) * SPAN) // GROUP
+        g_mask = n_mask[:, None] & (g * GROUP < K)[None, :]
+        s = tl.load(s_ptr + s_rows + g[None, :], mask=g_mask, other=0.0)  # [BLOCK_N, GROUPS]
+        z = tl.load(z_ptr + s_rows + g[None, :], mask=g_mask, other=0).to(tl.float32)
+        # each word's products, zero points apart, then less zero x the word's inputs: [BLOCK_N, GROUPS, its words]
+        part = tl.reshape(_word_products(words, x, nibble_mask), (BLOCK_N, GROUPS, SPAN // 8))
+        word_sums = tl.reshape(tl.sum(x, axis=1), (GROUPS, SPAN // 8))
+        acc += (part - z[:, :, None] * word_sums[None, :, :]) * s[:, :, None]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -173,6 +248,15 @@ def _check_scales(scale: torch.Tensor, zero_point: torch.Tensor) -> None:
     """The kernels index scales and zero points alike, by row stride and group."""
     if scale.stride() != zero_point.stride() or scale.stride(1) != 1:
         raise ValueError("int4 scales and zero points must be contiguous [N, groups] alike")
+
+
+def _check_inputs(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
+    """What the GEMV and the GEMM take: 16-bit activations (their 16-bit nibble conversion) and scales as above."""
+    if x.dtype not in _MAGIC_16:
+        raise ValueError(
+            f"the int4 kernels take bf16 or fp16 activations, not {x.dtype}: int4_linear gives others to the reference"
+        )
+    _check_scales(scale, zero_point)
 
 
 def dequantized_linear(
@@ -232,13 +316,9 @@ def _launch(
 ) -> torch.Tensor:
     m, k = x.shape
     n = weight_packed.shape[0]
-    if x.dtype not in _MAGIC_16:
-        raise ValueError(
-            f"the int4 kernels take bf16 or fp16 activations, not {x.dtype}: int4_linear gives others to the reference"
-        )
     if not fits(group_size, block_k, block_m):
         raise ValueError(f"int4 groups of {group_size} and a K step of {block_k}: the step must lie in one group")
-    _check_scales(scale, zero_point)
+    _check_inputs(x, scale, zero_point)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     split_k = min(split_k or splits_for(tiles, steps, x.device), steps)
@@ -324,25 +404,34 @@ def gemv(
     num_warps: int = 4,
     num_stages: int = 4,
 ) -> torch.Tensor:
-    """x [1, K] (bf16/fp16) times the 4-bit weight on the CUDA cores (decode at batch 1). The default tile was the
-    fastest of the H100 sweep (bench/results/h100_int4_linear_sweep_magic_46dd126.json: 0.451 ms for N 16 against
-    0.575 for N 8)."""
+    """x [1, K] (bf16/fp16) times the 4-bit weight on the CUDA cores (decode at batch 1)."""
     if x.shape[0] != 1:
         raise ValueError(f"the int4 GEMV takes one row, not {x.shape[0]}: use gemm")
-    return _launch(
+    _check_inputs(x, scale, zero_point)
+    n, k = weight_packed.shape[0], x.shape[1]
+    block_k = k_step(group_size, block_k, 1)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight_packed,
         scale,
         zero_point,
-        bias,
-        group_size,
-        block_m=1,
-        block_n=block_n,
-        block_k=k_step(group_size, block_k, 1),
+        bias if bias is not None else scale,
+        out,
+        n,
+        k,
+        weight_packed.stride(0),
+        scale.stride(0),
+        0xF,
+        GROUP=group_size,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
-        split_k=1,
     )
+    return out
 
 
 def gemm(
