@@ -28,15 +28,13 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.quantization.int4 import pack_int4_rows
 from omnirun.registry import select_platform
 
-GEMV_TILES = [  # one row: N, K step, warps, stages
-    (16, 1024, 4, 4),
+GEMV_TILES = [  # one row: N, K step, warps, stages (None: int4_linear.gemv_launch's by the layer's rows)
+    (16, None, None, 1),
     (16, 1024, 4, 1),
+    (16, 2048, 8, 1),
     (8, 1024, 4, 1),
     (16, 512, 2, 1),
     (32, 512, 4, 1),
-    (32, 512, 8, 1),
-    (16, 2048, 8, 1),
-    (64, 512, 8, 1),
 ]
 GEMM_TILES = [  # M, N, K step, warps, stages, K splits
     (64, 128, 64, 4, 3, 1),
@@ -120,7 +118,7 @@ def main() -> None:
             if bs == 1:
                 for n, k, warps, stages in GEMV_TILES:
                     op = functools.partial(kernels.gemv, block_n=n, block_k=k, num_warps=warps, num_stages=stages)
-                    candidates.append((f"gemv N{n} K{k} w{warps} s{stages}", k, op))
+                    candidates.append((f"gemv N{n} K{k or 'A'} w{warps or 'A'} s{stages}", k or 1024, op))
             for m, n, k, warps, stages, split in GEMM_TILES if bs > 1 else []:
                 op = functools.partial(
                     kernels.gemm, block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, split_k=split

@@ -60,6 +60,15 @@ def test_gemv_equals_the_reference(group, block_k, k, dtype):
     _check(1, group, kernels.gemv, dtype=dtype, k=k, block_k=block_k)
 
 
+def test_the_gemv_takes_longer_k_steps_where_a_layer_gives_few_programs(monkeypatch):
+    """At most two programs a multiprocessor (a 4,096-row layer on an H100): 2,048 inputs a step and 8 warps."""
+    monkeypatch.setattr(kernels, "processors", lambda device: 132)
+    assert kernels.gemv_launch(4096, 16, DEVICE) == (2048, 8)
+    assert kernels.gemv_launch(6144, 16, DEVICE) == (1024, 4)
+    monkeypatch.setattr(kernels, "processors", lambda device: 8)  # N 200: 13 programs of 16 rows
+    _check(1, 128, kernels.gemv)
+
+
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("rows", [5, 16])
 def test_gemm_of_a_few_rows_equals_the_reference(rows, group):
