@@ -69,12 +69,10 @@ class MoeTiles:
 # Measured on an H100 (bench/results/h100_moe_op_sweep_qwen3_30b_a3b.json, h100_moe_op_qwen3_30b_a3b_757ca9b.json):
 # the decode path faster up to 16 Qwen3-30B-A3B tokens (128 slots over 128 experts); its tiles the fastest of seven
 # each; the grouped tile the fastest of ten from 64 to 2,048 slots, 64 x 64 x 32 beyond.
-# fp8 experts (bench/results/h100_moe_op_fp8_sweep_915fcc3.json, Qwen3-30B-A3B in 128 x 128 blocks): at 8 slots
-# gate_up 2 x 1024 x 4 0.127 ms and down 4 x 1024 x 4 0.115; at 32 slots gate_up 2 x 1024 x 4 0.315 and down
-# 8 x 256 x 4 0.293. `decode`'s tiles for both: 0.143 and 0.343 as the row's fp8_by_slot_ms, 0.130 and 0.330 where
-# the sweep timed them again, so gate_up's gain is within that spread, down's (~11%) not. Each kernel's best was
-# found with the other at `decode`'s tile, not timed together: the next `bench/moe_op.py --fp8` run times them
-# together (its fp8_by_slot_ms).
+# fp8 experts (bench/results/h100_moe_op_fp8_sweep_915fcc3.json, Qwen3-30B-A3B in 128 x 128 blocks, each kernel's
+# tile varied with the other at `decode`'s): at 8 slots gate_up 2 x 1024 x 4 and down 4 x 1024 x 4, at 32 slots
+# gate_up 2 x 1024 x 4 and down 8 x 256 x 4 were fastest. Together (h100_moe_op_fp8_tiles_dccb150.txt) 0.117 ms at
+# 8 slots and 0.280 at 32, against 0.137 and 0.335 at `decode`'s tiles (h100_moe_op_fp8_c40a7db.txt).
 DEFAULT = MoeTiles(
     decode_max_slots_per_expert=1,
     decode=(DecodeBucket(8, (4, 512, 4), (4, 512, 4)), DecodeBucket(128, (8, 512, 4), (4, 256, 4))),
