@@ -73,7 +73,7 @@ def _int4_kernel(
     stride_ym,
     stride_ys,  # the split's stride in y ([SPLIT_K, M, N] float32 partial sums when SPLIT_K > 1)
     K_SPLIT,  # inputs each split of K covers (a multiple of BLOCK_K)
-    GROUP: tl.constexpr,  # inputs per scale: a multiple of BLOCK_K, or (one row only) a divisor of it
+    GROUP: tl.constexpr,  # inputs per scale: a multiple of BLOCK_K (a step lies in one group)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -406,12 +406,12 @@ def gemv(
 ) -> torch.Tensor:
     """x [1, K] (bf16/fp16) times the 4-bit weight on the CUDA cores (decode at batch 1); the K step and warps
     `gemv_launch` picks unless given."""
-    launch_k, launch_warps = gemv_launch(weight_packed.shape[0], block_n, x.device)
-    block_k, num_warps = block_k or launch_k, num_warps or launch_warps
     if x.shape[0] != 1:
         raise ValueError(f"the int4 GEMV takes one row, not {x.shape[0]}: use gemm")
     _check_inputs(x, scale, zero_point)
     n, k = weight_packed.shape[0], x.shape[1]
+    launch_k, launch_warps = gemv_launch(n, block_n, x.device)
+    block_k, num_warps = block_k or launch_k, num_warps or launch_warps
     block_k = k_step(group_size, block_k, 1)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
