@@ -2,8 +2,8 @@
 projections (q|k|v, o, gate|up, down), per batch size: milliseconds for all four over `--layers` copies of the
 weights (more than the L2 cache holds), replayed in a device graph as a decode step runs them, and the int4 floor
 (the packed words', scales' and zero points' bytes ÷ the measured copy bandwidth). `--sweep` also times the
-candidates at each batch (GEMV tiles at one row; GEMM tiles, K splits and the dequantized weight above), checks each
-one's output against bf16 on the dequantized weight, and prints the fastest.
+candidates at each batch (GEMV launches up to GEMV_MAX_ROWS rows; GEMM tiles, K splits and the dequantized weight
+above), checks each one's output against bf16 on the dequantized weight, and prints the fastest.
 
     python bench/int4_linear.py --device cuda --preset llama-3-8b-awq --batch-sizes 1 4 16 64 256 1024 --sweep \
         --json bench/results/h100_int4_linear.json
@@ -21,6 +21,7 @@ from graph_timing import graph_ms, projections  # bench/: beside this script
 
 from omnirun.bandwidth import measure_bandwidth
 from omnirun.kernels.triton import int4_linear as kernels
+from omnirun.kernels.triton.int4_linear import GEMV_MAX_ROWS
 from omnirun.layers import native_ops
 from omnirun.layers.ops import resolve_ops
 from omnirun.loader.presets import preset_config
@@ -28,13 +29,19 @@ from omnirun.models.architecture import decoder_shape
 from omnirun.quantization.int4 import pack_int4_rows
 from omnirun.registry import select_platform
 
-GEMV_TILES = [  # one row: N, K step, warps, stages (None: int4_linear.gemv_launch's by the layer's rows)
-    (16, None, None, 1),
-    (16, 1024, 4, 1),
-    (16, 2048, 8, 1),
-    (8, 1024, 4, 1),
-    (16, 512, 2, 1),
-    (32, 512, 4, 1),
+GEMV_TILES = [  # up to GEMV_MAX_ROWS rows: rows a program, N, K step, warps (None: int4_linear.gemv_launch's)
+    (None, None, None, None),
+    (1, 16, 1024, 4),
+    (1, 16, 2048, 8),
+    (1, 8, 1024, 4),
+    (1, 32, 512, 4),
+    (2, 16, 1024, 4),
+    (2, 16, 2048, 8),
+    (2, 16, 512, 4),
+    (4, 16, 512, 4),
+    (4, 16, 512, 2),
+    (4, 32, 256, 2),
+    (4, 32, 512, 8),
 ]
 GEMM_TILES = [  # M, N, K step, warps, stages, K splits
     (64, 128, 64, 4, 3, 1),
@@ -115,20 +122,21 @@ def main() -> None:
         if args.sweep:
             tiles = {}
             candidates = []
-            if bs == 1:
-                for n, k, warps, stages in GEMV_TILES:
-                    op = functools.partial(kernels.gemv, block_n=n, block_k=k, num_warps=warps, num_stages=stages)
-                    candidates.append((f"gemv N{n} K{k or 'A'} w{warps or 'A'} s{stages}", k or 1024, op))
+            for rows, n, k, warps in GEMV_TILES if bs <= GEMV_MAX_ROWS else []:
+                if rows is None or rows == 1 or bs > 1:
+                    op = functools.partial(kernels.gemv, rows=rows, block_n=n, block_k=k, num_warps=warps)
+                    name = f"gemv rows {rows or 'A'} N{n or 'A'} K{k or 'A'} w{warps or 'A'}"
+                    candidates.append((name, k or 1024, op, 1))
             for m, n, k, warps, stages, split in GEMM_TILES if bs > 1 else []:
                 op = functools.partial(
                     kernels.gemm, block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages, split_k=split
                 )
-                candidates.append((f"gemm M{m} N{n} K{k} w{warps} s{stages} split{split or 'A'}", k, op))
+                candidates.append((f"gemm M{m} N{n} K{k} w{warps} s{stages} split{split or 'A'}", k, op, bs))
             if bs > 1:
-                candidates.append(("dequantize, then linear", group, kernels.dequantized_linear))
+                candidates.append(("dequantize, then linear", group, kernels.dequantized_linear, bs))
             errors = {}
-            for name, k, op in candidates:
-                if kernels.fits(group, k, bs):
+            for name, k, op, rows in candidates:  # rows: 1 where the kernel's K step may hold several groups
+                if kernels.fits(group, k, rows):
                     tiles[name] = graph_ms(platform, functools.partial(run, x, functools.partial(int4_linear, op=op)))
                     errors[name] = relative_error(x, layers[-1], functools.partial(int4_linear, op=op), bf16_linear)
             worst = max(errors, key=errors.get)

@@ -35,10 +35,10 @@ def _to(*tensors):
     return tuple(t.to(DEVICE) if t is not None else None for t in tensors)
 
 
-def _check(rows: int, group: int, kernel, dtype=torch.bfloat16, k: int = K, **tiles) -> None:
-    gen = torch.Generator().manual_seed(rows * 1000 + group)
+def _check(m: int, group: int, kernel, dtype=torch.bfloat16, k: int = K, **tiles) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + group)
     packed, scale, zero = _weight(N, k, group, gen)
-    x = torch.randn(rows, k, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(N, generator=gen).to(dtype)
     got = kernel(*_to(x, packed, scale, zero, bias), group, **tiles).cpu()
     assert got.dtype == dtype
@@ -60,13 +60,32 @@ def test_gemv_equals_the_reference(group, block_k, k, dtype):
     _check(1, group, kernels.gemv, dtype=dtype, k=k, block_k=block_k)
 
 
-def test_the_gemv_takes_longer_k_steps_where_a_layer_gives_few_programs(monkeypatch):
-    """At most two programs a multiprocessor (a 4,096-row layer on an H100): 2,048 inputs a step and 8 warps."""
+@pytest.mark.parametrize(
+    ("rows", "per_program", "group", "dtype"),
+    [
+        (2, 2, 128, torch.bfloat16),  # two rows a program
+        (3, 4, 32, torch.float16),  # four a program, the last one past x (read, not stored)
+        (7, 4, 128, torch.bfloat16),  # two programs of four a weight tile
+        (3, 2, 32, torch.bfloat16),  # two programs of two, the second half past x
+    ],
+)
+def test_the_gemv_of_a_few_rows_equals_the_reference(rows, per_program, group, dtype):
+    """Each row's products from one unpacking of the words, joined: every row in its place, bias on each."""
+    _check(rows, group, kernels.gemv, dtype=dtype, rows=per_program, block_k=256)
+
+
+def test_the_gemv_launch_by_rows_and_layer(monkeypatch):
+    """One row: at most two programs a multiprocessor (a 4,096-row layer on an H100) take 2,048 inputs a step and 8
+    warps. Two rows take two a program, three and four four."""
     monkeypatch.setattr(kernels, "processors", lambda device: 132)
-    assert kernels.gemv_launch(4096, 16, DEVICE) == (2048, 8)
-    assert kernels.gemv_launch(6144, 16, DEVICE) == (1024, 4)
+    assert kernels.gemv_launch(1, 4096, DEVICE) == (1, 16, 2048, 8)
+    assert kernels.gemv_launch(1, 6144, DEVICE) == (1, 16, 1024, 4)
+    assert kernels.gemv_launch(2, 4096, DEVICE).rows == 2
+    assert kernels.gemv_launch(3, 4096, DEVICE).rows == kernels.gemv_launch(4, 4096, DEVICE).rows == 4
     monkeypatch.setattr(kernels, "processors", lambda device: 8)  # N 200: 13 programs of 16 rows
     _check(1, 128, kernels.gemv)
+    with pytest.raises(ValueError, match="1, 2 or 4 rows a program"):
+        _check(3, 128, kernels.gemv, rows=3)
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -105,8 +124,6 @@ def test_a_k_step_inside_one_group_and_the_op_s_dispatch():
         kernels.gemm(*_to(x[0, :3].to(torch.bfloat16), packed, scale, zero, None), 40)
     with pytest.raises(ValueError, match="bf16 or fp16 activations"):
         kernels.gemm(*_to(x[0, :3], packed, scale, zero, None), 32)
-    with pytest.raises(ValueError, match="one row"):
-        kernels.gemv(*_to(x[0, :3].to(torch.bfloat16), packed, scale, zero, None), 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,9 +3,10 @@ omnirun.layers.linear.Int4Weights holds): the op table's `int4_linear` in Triton
 
 The weight is int32 [N, K / 8] (eight consecutive inputs a word, the lowest bits first), with float32 scales and
 uint8 zero points [N, groups] over groups of GROUP consecutive inputs. By rows of x:
-- one row (decode, `gemv`): each program reads [BLOCK_N, BLOCK_K / 8] words a step; each thread multiplies the
-  nibbles of the words it holds by x on the CUDA cores and keeps the sums apart until the last step (about 5
-  instructions a weight in sm90 SASS, against 10 where each step reduced along K across threads);
+- up to GEMV_MAX_ROWS rows (decode, `gemv`): each program reads [BLOCK_N, BLOCK_K / 8] words a step for 1, 2 or 4
+  rows of x; each thread multiplies the nibbles of the words it holds by each row on the CUDA cores and keeps the
+  sums apart until the last step (sm90 SASS: about 4.3 instructions a weight at one row, against 10 where each step
+  reduced along K across threads; 6.1 at two rows, about 10 at four: the nibbles are unpacked once for all rows);
 - up to DEQUANTIZE_MIN_ROWS (`gemm`): tensor-core dots on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, the weight
   tile unpacked once per BLOCK_M rows; a few rows make few output tiles, so K is split over programs too, each
   writing a float32 partial sum that one sum adds up (deterministic, no atomics);
@@ -27,7 +28,7 @@ casts and bitcasts bfloat16 wrongly, so there the dots take float32 inputs and b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -155,6 +156,24 @@ def _word_products(words, x, nibble_mask):
 
 
 @triton.jit
+def _row_part(words, x_row, s, z, nibble_mask, GROUPS: tl.constexpr, SPAN: tl.constexpr):
+    """One row's step: each word's products, less zero x the word's inputs, times its group's scale, kept apart by
+    word: [BLOCK_N, GROUPS, SPAN / 8]. x_row [WORDS, 8] float32; s, z [BLOCK_N, GROUPS]."""
+    part = tl.reshape(_word_products(words, x_row, nibble_mask), (words.shape[0], GROUPS, SPAN // 8))
+    word_sums = tl.reshape(tl.sum(x_row, axis=1), (GROUPS, SPAN // 8))
+    return (part - z[:, :, None] * word_sums[None, :, :]) * s[:, :, None]
+
+
+@triton.jit
+def _load_row(x_ptr, row, M, stride_xm, kk, K, EVEN_K: tl.constexpr):
+    """Row `row` of x at inputs kk [WORDS, 8] as float32; rows past M read row M - 1 (their sums are not stored)."""
+    x_row = x_ptr + tl.minimum(row, M - 1).to(tl.int64) * stride_xm
+    if EVEN_K:
+        return tl.load(x_row + kk).to(tl.float32)
+    return tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -162,52 +181,79 @@ def _int4_gemv_kernel(
     z_ptr,
     b_ptr,
     y_ptr,
+    M,
     N,
     K,
+    stride_xm,
     stride_wn,
     stride_sn,  # scales' and zero points' row stride (both [N, groups], contiguous)
+    stride_ym,
     nibble_mask,  # 0xF, as an argument: a constant mask would be loaded into a register before every AND-OR
     GROUP: tl.constexpr,  # inputs per scale: a multiple of 8 that divides BLOCK_K or is a multiple of it
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no mask along K (the words load in 16-byte vectors)
+    ROWS: tl.constexpr,  # rows of x a program: 1, 2 or 4
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """y [1, N] = x [1, K] W^T on the CUDA cores. Each thread sums the eight products of each word it holds (no
-    exchange between threads), scales the sums by their groups' scales and adds them to an accumulator of the
-    tile's shape; the threads' partial sums meet once, after the last step (a reduction per step cost more shuffles
-    and adds than the products themselves)."""
+    """y [M, N] = x [M, K] W^T on the CUDA cores, ROWS rows of x a program (program_id(0): a weight tile's programs
+    run side by side, so all but the first read it from L2). Each thread sums the eight products of each word it
+    holds (no exchange between threads), scales the sums by their groups' scales and adds them to an accumulator of
+    the tile's shape; the threads' partial sums meet once, after the last step (a reduction per step cost more
+    shuffles and adds than the products themselves). Each row's products are computed in the words' layout and
+    joined along a last axis the thread holds (the nibbles, unpacked once, serve every row: the compiler merges the
+    rows' identical unpacking); a [ROWS, ...] product broadcast from x's side made the compiler move every
+    nibble through shared memory instead."""
     WORDS: tl.constexpr = BLOCK_K // 8
     SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # inputs of one group within a step
     GROUPS: tl.constexpr = BLOCK_K // SPAN
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = tl.program_id(0) * ROWS
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = offs_n[:, None].to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8], dtype=tl.float32)
+    if ROWS == 1:
+        acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8], dtype=tl.float32)
+    elif ROWS == 2:
+        acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8, 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8, 2, 2], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         word = k0 // 8 + offs_w
         kk = word[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WORDS, 8]: input 8c + j of word c
         if EVEN_K:
             words = tl.load(w_rows + word[None, :], mask=n_mask[:, None], other=0)
-            x = tl.load(x_ptr + kk)
         else:
             words = tl.load(w_rows + word[None, :], mask=n_mask[:, None] & (word * 8 < K)[None, :], other=0)
-            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-        x = x.to(tl.float32)
         g = (k0 + tl.arange(0, GROUPS) * SPAN) // GROUP
         g_mask = n_mask[:, None] & (g * GROUP < K)[None, :]
         s = tl.load(s_ptr + s_rows + g[None, :], mask=g_mask, other=0.0)  # [BLOCK_N, GROUPS]
         z = tl.load(z_ptr + s_rows + g[None, :], mask=g_mask, other=0).to(tl.float32)
-        # each word's products, zero points apart, then less zero x the word's inputs: [BLOCK_N, GROUPS, its words]
-        part = tl.reshape(_word_products(words, x, nibble_mask), (BLOCK_N, GROUPS, SPAN // 8))
-        word_sums = tl.reshape(tl.sum(x, axis=1), (GROUPS, SPAN // 8))
-        acc += (part - z[:, :, None] * word_sums[None, :, :]) * s[:, :, None]
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        x0 = _load_row(x_ptr, row0, M, stride_xm, kk, K, EVEN_K)
+        part = _row_part(words, x0, s, z, nibble_mask, GROUPS, SPAN)
+        if ROWS >= 2:
+            x1 = _load_row(x_ptr, row0 + 1, M, stride_xm, kk, K, EVEN_K)
+            part = tl.join(part, _row_part(words, x1, s, z, nibble_mask, GROUPS, SPAN))
+        if ROWS == 4:
+            x2 = _load_row(x_ptr, row0 + 2, M, stride_xm, kk, K, EVEN_K)
+            x3 = _load_row(x_ptr, row0 + 3, M, stride_xm, kk, K, EVEN_K)
+            upper = tl.join(
+                _row_part(words, x2, s, z, nibble_mask, GROUPS, SPAN),
+                _row_part(words, x3, s, z, nibble_mask, GROUPS, SPAN),
+            )
+            part = tl.join(part, upper)  # [..., 2 (row's low bit), 2 (row's high bit)]
+        acc += part
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N] or [BLOCK_N, 2] or [BLOCK_N, 2, 2]
+    if ROWS == 4:
+        out = tl.reshape(tl.permute(out, (0, 2, 1)), (BLOCK_N, 4))
+    else:
+        out = tl.reshape(out, (BLOCK_N, ROWS))
     if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+        out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    offs_m = row0 + tl.arange(0, ROWS)
+    y = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    tl.store(y, out.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_m < M)[None, :])
 
 
 @triton.jit
@@ -399,36 +445,43 @@ def gemv(
     bias: torch.Tensor | None,
     group_size: int,
     *,
-    block_n: int = 16,
+    rows: int | None = None,
+    block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 1,
 ) -> torch.Tensor:
-    """x [1, K] (bf16/fp16) times the 4-bit weight on the CUDA cores (decode at batch 1); the K step and warps
-    `gemv_launch` picks unless given."""
-    if x.shape[0] != 1:
-        raise ValueError(f"the int4 GEMV takes one row, not {x.shape[0]}: use gemm")
+    """x [M, K] (bf16/fp16) times the 4-bit weight on the CUDA cores, `rows` rows of x a program (decode at small
+    batches); the rows, tile and warps `gemv_launch` picks unless given."""
     _check_inputs(x, scale, zero_point)
-    n, k = weight_packed.shape[0], x.shape[1]
-    launch_k, launch_warps = gemv_launch(n, block_n, x.device)
-    block_k, num_warps = block_k or launch_k, num_warps or launch_warps
+    m, k = x.shape
+    n = weight_packed.shape[0]
+    launch = gemv_launch(m, n, x.device)
+    rows, block_n = rows or launch.rows, block_n or launch.block_n
+    block_k, num_warps = block_k or launch.block_k, num_warps or launch.num_warps
+    if rows not in (1, 2, 4):
+        raise ValueError(f"the int4 GEMV takes 1, 2 or 4 rows a program, not {rows}")
     block_k = k_step(group_size, block_k, 1)
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _int4_gemv_kernel[(triton.cdiv(m, rows), triton.cdiv(n, block_n))](
         x,
         weight_packed,
         scale,
         zero_point,
         bias if bias is not None else scale,
         out,
+        m,
         n,
         k,
+        x.stride(0),
         weight_packed.stride(0),
         scale.stride(0),
+        out.stride(0),
         0xF,
         GROUP=group_size,
         HAS_BIAS=bias is not None,
         EVEN_K=k % block_k == 0,
+        ROWS=rows,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
@@ -437,15 +490,26 @@ def gemv(
     return out
 
 
-def gemv_launch(n: int, block_n: int, device: torch.device) -> tuple[int, int]:
-    """(K step, warps) of the GEMV. A layer of few rows gives few programs (4,096 rows: 256 of 16, two an H100
-    multiprocessor): then each takes 2,048 inputs a step with 8 warps, twice the loads in flight, else 1,024 with
-    4. H100, four layers of each Llama-3-8B projection (bench/results/h100_int4_gemv_tiles_dccb150.txt): 4,096 x
-    4,096 0.0248 ms against 0.0287, 4,096 x 14,336 0.0714 against 0.0903; 6,144 x 4,096 0.0388 against 0.0426 and
-    28,672 x 4,096 0.1142 against 0.1342 the other way."""
-    if triton.cdiv(n, block_n) <= 2 * processors(device):
-        return 2048, 8
-    return 1024, 4
+class GemvLaunch(NamedTuple):
+    rows: int  # rows of x a program
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def gemv_launch(m: int, n: int, device: torch.device) -> GemvLaunch:
+    """The GEMV's launch for m rows of x and an n-row weight. One row: a layer of few rows gives few programs (4,096
+    rows: 256 of 16, two an H100 multiprocessor), then each takes 2,048 inputs a step with 8 warps, twice the loads
+    in flight, else 1,024 with 4. H100, four layers of each Llama-3-8B projection
+    (bench/results/h100_int4_gemv_tiles_dccb150.txt): 4,096 x 4,096 0.0248 ms against 0.0287, 4,096 x 14,336 0.0714
+    against 0.0903; 6,144 x 4,096 0.0388 against 0.0426 and 28,672 x 4,096 0.1142 against 0.1342 the other way."""
+    if m == 1:
+        if triton.cdiv(n, 16) <= 2 * processors(device):
+            return GemvLaunch(1, 16, 2048, 8)
+        return GemvLaunch(1, 16, 1024, 4)
+    if m == 2:
+        return GemvLaunch(2, 16, 1024, 4)
+    return GemvLaunch(4, 16, 512, 4)
 
 
 def gemm(
@@ -488,6 +552,10 @@ def takes(out_features: int, in_features: int, group_size: int, dtype: torch.dty
     return dtype in _MAGIC_16 and group_size % 16 == 0
 
 
+# Rows up to which the GEMV's CUDA-core products beat the GEMM's tensor-core dots (the GEMM unpacks each weight tile
+# into the dots' layout through shared memory).
+GEMV_MAX_ROWS = 4
+
 # Rows from which the weight is dequantized whole, then multiplied by the device's matmul (prefill, large batches).
 # On the H100 sweep the GEMM took 1.09 ms at 64 rows and 3.43 at 256, dequantizing first 1.55 and 1.72: the GEMM
 # unpacks every weight tile once per 64 rows, so its cost grows by about a third of that difference per 64 rows,
@@ -511,7 +579,7 @@ def int4_linear(
     if not takes(weight_packed.shape[0], x.shape[-1], group_size, x.dtype) or rows.shape[0] == 0:
         # float32 models, and groups no published checkpoint has (e.g. 40): the reference, correct but not fast
         return native_ops.int4_linear(x, weight_packed, weight_scale, weight_zero_point, bias, group_size)
-    if rows.shape[0] == 1:
+    if rows.shape[0] <= GEMV_MAX_ROWS:
         kernel = gemv
     else:
         kernel = gemm if rows.shape[0] < DEQUANTIZE_MIN_ROWS else dequantized_linear

@@ -26,7 +26,7 @@ def _weight(n: int, k: int, group: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 7, 16, 100, 512])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 100, 512])  # the GEMV at 1-3 rows
 @pytest.mark.parametrize("n, k, group", [(6144, 4096, 128), (4096, 14336, 128), (1000, 1032, 32)])
 def test_the_kernel_equals_the_reference(rows, n, k, group, dtype):
     gen = torch.Generator(device="cuda").manual_seed(rows + n)
