@@ -38,12 +38,10 @@ GEMV_TILES = [  # up to GEMV_MAX_ROWS rows: rows a program, N, K step, warps (No
     (2, 16, 1024, 4),
     (2, 16, 2048, 8),
     (2, 16, 512, 4),
-    (4, 16, 512, 4),
-    (4, 16, 512, 2),
-    (4, 32, 256, 2),
-    (4, 32, 512, 8),
+    (2, 32, 256, 2),
 ]
 GEMM_TILES = [  # M, N, K step, warps, stages, K splits
+    (16, 128, 128, 4, 3, None),
     (64, 128, 64, 4, 3, 1),
     (64, 128, 128, 4, 3, None),
     (64, 64, 128, 4, 4, None),

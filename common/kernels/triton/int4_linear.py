@@ -3,10 +3,10 @@ omnirun.layers.linear.Int4Weights holds): the op table's `int4_linear` in Triton
 
 The weight is int32 [N, K / 8] (eight consecutive inputs a word, the lowest bits first), with float32 scales and
 uint8 zero points [N, groups] over groups of GROUP consecutive inputs. By rows of x:
-- up to GEMV_MAX_ROWS rows (decode, `gemv`): each program reads [BLOCK_N, BLOCK_K / 8] words a step for 1, 2 or 4
-  rows of x; each thread multiplies the nibbles of the words it holds by each row on the CUDA cores and keeps the
-  sums apart until the last step (sm90 SASS: about 4.3 instructions a weight at one row, against 10 where each step
-  reduced along K across threads; 6.1 at two rows, about 10 at four: the nibbles are unpacked once for all rows);
+- up to GEMV_MAX_ROWS rows (decode, `gemv`): each program reads [BLOCK_N, BLOCK_K / 8] words a step for one or
+  two rows of x; each thread multiplies the nibbles of the words it holds by each row on the CUDA cores and keeps
+  the sums apart until the last step (sm90 SASS: about 4.3 instructions a weight at one row, against 10 where each
+  step reduced along K across threads; 6.1 at two rows, the nibbles unpacked once for both);
 - up to DEQUANTIZE_MIN_ROWS (`gemm`): tensor-core dots on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, the weight
   tile unpacked once per BLOCK_M rows; a few rows make few output tiles, so K is split over programs too, each
   writing a float32 partial sum that one sum adds up (deterministic, no atomics);
@@ -192,7 +192,7 @@ def _int4_gemv_kernel(
     GROUP: tl.constexpr,  # inputs per scale: a multiple of 8 that divides BLOCK_K or is a multiple of it
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no mask along K (the words load in 16-byte vectors)
-    ROWS: tl.constexpr,  # rows of x a program: 1, 2 or 4
+    ROWS: tl.constexpr,  # rows of x a program: 1 or 2
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -215,10 +215,8 @@ def _int4_gemv_kernel(
     s_rows = offs_n[:, None].to(tl.int64) * stride_sn
     if ROWS == 1:
         acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8], dtype=tl.float32)
-    elif ROWS == 2:
-        acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8, 2], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8, 2, 2], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8, 2], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         word = k0 // 8 + offs_w
         kk = word[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WORDS, 8]: input 8c + j of word c
@@ -232,23 +230,11 @@ def _int4_gemv_kernel(
         z = tl.load(z_ptr + s_rows + g[None, :], mask=g_mask, other=0).to(tl.float32)
         x0 = _load_row(x_ptr, row0, M, stride_xm, kk, K, EVEN_K)
         part = _row_part(words, x0, s, z, nibble_mask, GROUPS, SPAN)
-        if ROWS >= 2:
+        if ROWS == 2:
             x1 = _load_row(x_ptr, row0 + 1, M, stride_xm, kk, K, EVEN_K)
             part = tl.join(part, _row_part(words, x1, s, z, nibble_mask, GROUPS, SPAN))
-        if ROWS == 4:
-            x2 = _load_row(x_ptr, row0 + 2, M, stride_xm, kk, K, EVEN_K)
-            x3 = _load_row(x_ptr, row0 + 3, M, stride_xm, kk, K, EVEN_K)
-            upper = tl.join(
-                _row_part(words, x2, s, z, nibble_mask, GROUPS, SPAN),
-                _row_part(words, x3, s, z, nibble_mask, GROUPS, SPAN),
-            )
-            part = tl.join(part, upper)  # [..., 2 (row's low bit), 2 (row's high bit)]
         acc += part
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N] or [BLOCK_N, 2] or [BLOCK_N, 2, 2]
-    if ROWS == 4:
-        out = tl.reshape(tl.permute(out, (0, 2, 1)), (BLOCK_N, 4))
-    else:
-        out = tl.reshape(out, (BLOCK_N, ROWS))
+    out = tl.reshape(tl.sum(tl.sum(acc, axis=2), axis=1), (BLOCK_N, ROWS))
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     offs_m = row0 + tl.arange(0, ROWS)
@@ -459,8 +445,8 @@ def gemv(
     launch = gemv_launch(m, n, x.device)
     rows, block_n = rows or launch.rows, block_n or launch.block_n
     block_k, num_warps = block_k or launch.block_k, num_warps or launch.num_warps
-    if rows not in (1, 2, 4):
-        raise ValueError(f"the int4 GEMV takes 1, 2 or 4 rows a program, not {rows}")
+    if rows not in (1, 2):
+        raise ValueError(f"the int4 GEMV takes 1 or 2 rows a program, not {rows}")
     block_k = k_step(group_size, block_k, 1)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[(triton.cdiv(m, rows), triton.cdiv(n, block_n))](
@@ -498,18 +484,19 @@ class GemvLaunch(NamedTuple):
 
 
 def gemv_launch(m: int, n: int, device: torch.device) -> GemvLaunch:
-    """The GEMV's launch for m rows of x and an n-row weight. One row: a layer of few rows gives few programs (4,096
-    rows: 256 of 16, two an H100 multiprocessor), then each takes 2,048 inputs a step with 8 warps, twice the loads
-    in flight, else 1,024 with 4. H100, four layers of each Llama-3-8B projection
-    (bench/results/h100_int4_gemv_tiles_dccb150.txt): 4,096 x 4,096 0.0248 ms against 0.0287, 4,096 x 14,336 0.0714
-    against 0.0903; 6,144 x 4,096 0.0388 against 0.0426 and 28,672 x 4,096 0.1142 against 0.1342 the other way."""
-    if m == 1:
+    """The GEMV's launch for m rows of x and an n-row weight. Up to two rows, one a program: a layer of few rows
+    gives few programs (4,096 rows: 256 of 16, two an H100 multiprocessor), then each takes 2,048 inputs a step with
+    8 warps, twice the loads in flight, else 1,024 with 4 (H100, four layers of each Llama-3-8B projection at one
+    row, bench/results/h100_int4_gemv_tiles_dccb150.txt: 4,096 x 4,096 0.0248 ms against 0.0287, 4,096 x 14,336
+    0.0714 against 0.0903; 6,144 x 4,096 0.0388 against 0.0426 and 28,672 x 4,096 0.1142 against 0.1342 the other
+    way). Three and four rows: two a program, 16 x 1,024 with 4 warps (H100, the four projections x 4 layers,
+    bench/results/h100_int4_gemv_rows_8806266.txt: 0.73 ms at 3 and 4 rows, against 0.77 for four rows a program
+    and 0.93 for the GEMM; at two rows one a program 0.41, two 0.43)."""
+    if m <= 2:
         if triton.cdiv(n, 16) <= 2 * processors(device):
             return GemvLaunch(1, 16, 2048, 8)
         return GemvLaunch(1, 16, 1024, 4)
-    if m == 2:
-        return GemvLaunch(2, 16, 1024, 4)
-    return GemvLaunch(4, 16, 512, 4)
+    return GemvLaunch(2, 16, 1024, 4)
 
 
 def gemm(
@@ -520,7 +507,7 @@ def gemm(
     bias: torch.Tensor | None,
     group_size: int,
     *,
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int = 128,
     block_k: int = 128,
     num_warps: int = 4,
@@ -528,8 +515,10 @@ def gemm(
     split_k: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16) times the 4-bit weight on tensor-core dots, K split as `splits_for` says unless given.
-    The default tile was the fastest of the H100 sweep at 4, 16 and 64 rows (1.06, 1.06 and 1.09 ms for the four
-    projections x 4 layers, against 1.13, 1.10 and 1.14 for 16-row tiles or 64-input K steps)."""
+    Row tiles of 16 up to 16 rows, else 64. H100, the four projections x 4 layers: 16 x 128 x 128 0.94 and 0.97 ms
+    at 8 and 16 rows against 64 x 128 x 128's 1.05 (bench/results/h100_int4_gemv_rows_8806266.txt; on the H200 1.74
+    against 1.07 at 24 rows); 64 x 128 x 128 was the fastest at 64 rows (1.09 ms, against 1.14 for 64-input K steps,
+    h100_int4_linear_sweep_magic_46dd126.json)."""
     return _launch(
         x,
         weight_packed,
@@ -537,7 +526,7 @@ def gemm(
         zero_point,
         bias,
         group_size,
-        block_m=block_m,
+        block_m=block_m or (16 if x.shape[0] <= 16 else 64),
         block_n=block_n,
         block_k=k_step(group_size, block_k),
         num_warps=num_warps,
@@ -552,8 +541,8 @@ def takes(out_features: int, in_features: int, group_size: int, dtype: torch.dty
     return dtype in _MAGIC_16 and group_size % 16 == 0
 
 
-# Rows up to which the GEMV's CUDA-core products beat the GEMM's tensor-core dots (the GEMM unpacks each weight tile
-# into the dots' layout through shared memory).
+# Rows up to which the GEMV beats the GEMM's tensor-core dots, which unpack each weight tile into the dots' layout
+# through shared memory (H100 sweep above: 0.73 ms at 4 rows against the GEMM's 0.93; 1.25 at 8 against 0.94).
 GEMV_MAX_ROWS = 4
 
 # Rows from which the weight is dequantized whole, then multiplied by the device's matmul (prefill, large batches).
