@@ -74,7 +74,9 @@ def platform_row(platform: Platform) -> PlatformRow:
         )
         row.default_run = default_run(platform)
         ops = row.fused_ops
-        row.quantized = loading_summary("fp8_linear" in ops, "int4_linear" in ops, "fp8_fused_moe" in ops)
+        row.quantized = loading_summary(
+            "fp8_linear" in ops, "int4_linear" in ops, "fp8_fused_moe" in ops, "int4_fused_moe" in ops
+        )
     return row
 
 

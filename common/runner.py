@@ -649,11 +649,13 @@ class ModelRunner:
             if self.tp.size > 1
             else "every expert whole"
         )
-        fp8 = any(isinstance(m, SparseMoE) and m.fp8 is not None for m in self.model.modules())
-        name, op = ("fp8_fused_moe", self.ops.fp8_fused_moe) if fp8 else ("fused_moe", self.ops.fused_moe)
+        moes = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
+        fp8, int4 = any(m.fp8 is not None for m in moes), any(m.int4 is not None for m in moes)
+        name = "fp8_fused_moe" if fp8 else "int4_fused_moe" if int4 else "fused_moe"
+        op = getattr(self.ops, name)
         tiles = getattr(op, "keywords", {}).get("tiles")  # a kernel bound to a device's launch table
         table = f" (launch table: {Path(tiles.source).name})" if tiles is not None else ""
-        kept = " in fp8" if fp8 else ""
+        kept = " in fp8" if fp8 else " packed in int4" if int4 else ""
         return f"top {moe.top_k} of {moe.num_experts}, {held}{kept}, {name} {_op_origin(op)}{table}"
 
     def weights_format(self) -> str:

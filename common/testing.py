@@ -136,12 +136,12 @@ PREPARED = ("fp8_linear", "int4_linear")
 
 
 def keeping_quantized(platform: Platform, *ops: str) -> Platform:
-    """`platform` offering the references of the quantized ops `ops` ("fp8_linear", "int4_linear", "fp8_fused_moe")
-    as if they were its kernels: layers then keep a checkpoint's quantized weights where the device has no kernel
-    for them, so that the kept path (loading, sharding, the op's calls) is tested on any device. Calls are counted
-    per op in the returned platform's `calls`. The linear ops' `prepare_` hooks are offered too: each copies the
-    tensors it is given, and the op checks that the `prepared` it receives equals the tensors it multiplies by (so a
-    form left stale by a weight update fails)."""
+    """`platform` offering the references of the quantized ops `ops` ("fp8_linear", "int4_linear", "fp8_fused_moe",
+    "int4_fused_moe") as if they were its kernels: layers then keep a checkpoint's quantized weights where the device
+    has no kernel for them, so that the kept path (loading, sharding, the op's calls) is tested on any device. Calls
+    are counted per op in the returned platform's `calls`. The linear ops' `prepare_` hooks are offered too: each
+    copies the tensors it is given, and the op checks that the `prepared` it receives equals the tensors it
+    multiplies by (so a form left stale by a weight update fails)."""
 
     class KeepsQuantized(type(platform)):
         calls = dict.fromkeys(ops, 0)
@@ -177,8 +177,8 @@ def keeping_fp8(platform: Platform) -> Platform:
 
 
 def keeping_int4(platform: Platform) -> Platform:
-    """`platform` offering the reference `int4_linear` as its kernel (keeping_quantized)."""
-    return keeping_quantized(platform, "int4_linear")
+    """`platform` offering the references of `int4_linear` and `int4_fused_moe` as its kernels (keeping_quantized)."""
+    return keeping_quantized(platform, "int4_linear", "int4_fused_moe")
 
 
 def make_runner(platform: Platform, model: Path | str, **flags) -> ModelRunner:

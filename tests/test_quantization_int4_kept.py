@@ -75,22 +75,26 @@ def test_act_order_g_idx_under_a_config_without_desc_act_is_refused(tmp_path):
         make_runner(keeping_int4(CpuPlatform()), tmp_path)
 
 
-def test_dummy_weights_load_for_an_awq_config_kept_and_dequantized(tmp_path):
-    """`--load-format dummy` of an AWQ shape (as the llama-3-8b-awq preset): random packed words and scales where
-    the layers keep them, the model dtype's random weights where they are dequantized; both run."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_dummy_weights_load_for_an_awq_config_kept_and_dequantized(tmp_path, arch):
+    """`--load-format dummy` of an AWQ shape (as the llama-3-8b-awq and qwen3-30b-a3b-awq presets): random packed
+    words and scales where the layers (and the experts) keep them, the model dtype's random weights where they are
+    dequantized; both run."""
     from omnirun.loader.presets import PRESETS
-    from omnirun.testing import tiny_configs
+    from omnirun.testing import tiny_configs, tiny_moe_configs
 
-    config = tiny_configs()["llama"]
+    config = {**tiny_configs(), **tiny_moe_configs()}[arch]
     config.quantization_config = dict(PRESETS["llama-3-8b-awq"].kwargs["quantization_config"], group_size=32)
     config.save_pretrained(tmp_path)
     for platform, held in (
-        (keeping_int4(CpuPlatform()), "8 linear layers kept in int4"),
+        (keeping_int4(CpuPlatform()), "linear layers kept in int4"),
         (CpuPlatform(), "dequantized"),
     ):
         runner = make_runner(platform, tmp_path, load_format="dummy")
         try:
             assert held in runner.describe()["weights"]
+            if arch == "qwen3_moe":
+                assert ("packed in int4" in runner.describe()["experts"]) == (held != "dequantized")
             logits = prefill_logits(runner)
             assert torch.isfinite(logits).all() and logits.std() > 0
         finally:

@@ -1,7 +1,8 @@
 """Quantized checkpoints of mixtures of experts (as Qwen3-30B-A3B-FP8, Mixtral FP8 and AWQ checkpoints ship them):
 each expert's projections stored quantized, per expert, beside quantized attention projections. Where the platform
 runs `fp8_fused_moe` (and `fp8_linear`) the experts (and the attention projections) stay in fp8, stacked with their
-scales; elsewhere they are dequantized at load and stacked. Greedy tokens equal HF's on the dequantized weights."""
+scales; where it runs `int4_fused_moe` (and `int4_linear`) AWQ/GPTQ experts stay packed; elsewhere they are
+dequantized at load and stacked. Greedy tokens equal HF's on the dequantized weights."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import pytest
 import torch
 
 from omnirun.devices.cpu.platform import CpuPlatform
+from omnirun.errors import WeightUpdateError
 from omnirun.layers.linear import Linear
 from omnirun.layers.moe import SparseMoE
-from omnirun.layers.native_ops import dequantize_fp8
-from omnirun.testing import greedy_generate, hf_greedy, keeping_fp8, make_runner
-from quantized_checkpoints import PROMPTS, write_fp8_checkpoint, write_int4_checkpoint
+from omnirun.layers.native_ops import dequantize_fp8, dequantize_int4
+from omnirun.testing import greedy_generate, hf_greedy, keeping_fp8, keeping_int4, make_runner
+from quantized_checkpoints import PROMPTS, prefill_logits, write_fp8_checkpoint, write_int4_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -74,3 +76,48 @@ def test_omnirun_env_says_where_fp8_experts_stay_fp8():
 
     assert "fp8 experts kept in fp8 for fp8_fused_moe" in platform_row(keeping_fp8(CpuPlatform())).quantized
     assert "fp8_fused_moe" not in platform_row(CpuPlatform()).quantized
+
+
+@pytest.mark.parametrize(
+    "arch, method, group_size", [("qwen3_moe", "awq", 16), ("mixtral", "gptq", 32), ("qwen2_moe", "gptq", 16)]
+)
+def test_int4_experts_kept_packed_give_the_dequantized_model_s_logits(tmp_path, arch, method, group_size):
+    """Where the platform runs `int4_fused_moe`, each expert's packed words, scales and zero points are stacked as
+    loaded (every expert projection dequantizes to the weight its parts stand for, bit for bit), the op runs them,
+    and the logits equal the dequantized model's bit for bit in float32 (the reference op dequantizes as a load
+    does); greedy tokens equal HF's."""
+    hf, stands_for = write_int4_checkpoint(tmp_path, arch, method, group_size)
+    platform = keeping_int4(CpuPlatform())
+    kept, dequantized = make_runner(platform, tmp_path), make_runner(CpuPlatform(), tmp_path)
+    try:
+        moes = [m for m in kept.model.modules() if isinstance(m, SparseMoE)]
+        assert moes and all(m.int4 is not None and not hasattr(m, "w13") for m in moes)
+        assert all(m.int4 is None for m in dequantized.model.modules() if isinstance(m, SparseMoE))
+        experts = {name: weight for name, weight in stands_for.items() if ".experts." in name}
+        assert experts, "the checkpoint holds no quantized expert"
+        for name, weight in experts.items():
+            layer = name.removesuffix(".weight")
+            parts = [
+                kept.get_weights_by_name(f"{layer}.{p}") for p in ("weight_packed", "weight_scale", "weight_zero_point")
+            ]
+            assert torch.equal(dequantize_int4(*parts, group_size), weight), name
+        with pytest.raises(WeightUpdateError, match=r"^[^\n]*weight_packed"):  # not stored: names what to read
+            kept.get_weights_by_name(next(iter(experts)))
+        assert "packed in int4, int4_fused_moe" in kept.describe()["experts"]
+        calls = platform.calls["int4_fused_moe"]
+        logits = prefill_logits(kept)
+        assert platform.calls["int4_fused_moe"] > calls
+        assert torch.equal(logits, prefill_logits(dequantized))
+        assert greedy_generate(kept, PROMPTS, 8) == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
+    finally:
+        kept.close()
+        dequantized.close()
+
+
+def test_omnirun_env_says_where_int4_experts_stay_packed():
+    from omnirun.env_report import platform_row
+
+    assert (
+        "awq/gptq 4-bit experts kept packed for int4_fused_moe" in platform_row(keeping_int4(CpuPlatform())).quantized
+    )
+    assert "int4_fused_moe" not in platform_row(CpuPlatform()).quantized

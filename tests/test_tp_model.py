@@ -52,9 +52,15 @@ KEPT_INT4 = "llama_awq_kept"
 # qwen3_moe with fp8 experts in 16 x 16 blocks, kept in fp8 (fp8_fused_moe offered): at TP 2 each rank's 16 of the
 # 32 intermediate columns are whole blocks; at TP 4 its 8 cut them, so the experts are dequantized at load
 KEPT_FP8_EXPERTS = "qwen3_moe_fp8_kept"
-MODELS = (*ARCHITECTURES, *MOE_ARCHITECTURES, "llama_bias", "llama_fp8", KEPT_FP8, KEPT_INT4, KEPT_FP8_EXPERTS)
+# qwen3_moe as an AWQ checkpoint in groups of 16, experts kept packed (int4_fused_moe offered): at TP 2 each rank's 16
+# of the 32 intermediate columns are whole groups of the down projection; at TP 4 its 8 cut them: dequantized at load
+KEPT_INT4_EXPERTS = "qwen3_moe_awq_kept"
+MODELS = (
+    *ARCHITECTURES, *MOE_ARCHITECTURES, "llama_bias", "llama_fp8", KEPT_FP8, KEPT_INT4, KEPT_FP8_EXPERTS,
+    KEPT_INT4_EXPERTS,
+)  # fmt: skip
 # the same checkpoints with expert parallelism: whole experts per rank (8 experts: TP 2 and 4 both divide them)
-EXPERT_PARALLEL = ("mixtral_ep", "qwen3_moe_ep", f"{KEPT_FP8_EXPERTS}_ep")
+EXPERT_PARALLEL = ("mixtral_ep", "qwen3_moe_ep", f"{KEPT_FP8_EXPERTS}_ep", f"{KEPT_INT4_EXPERTS}_ep")
 DUMMY = "dummy_vocab251"  # tied (qwen3) and a vocabulary that divides by neither 2 nor 4: padded on every TP size
 
 
@@ -106,7 +112,12 @@ def _rank_main(world: int, rank: int, port: int, workdir: Path) -> None:
 
 def _keeping(platform, name: str):
     """The platform a test model runs on: offering the reference quantized op its kept layers call."""
-    kept = {KEPT_FP8: ("fp8_linear",), KEPT_INT4: ("int4_linear",), KEPT_FP8_EXPERTS: ("fp8_linear", "fp8_fused_moe")}
+    kept = {
+        KEPT_FP8: ("fp8_linear",),
+        KEPT_INT4: ("int4_linear",),
+        KEPT_FP8_EXPERTS: ("fp8_linear", "fp8_fused_moe"),
+        KEPT_INT4_EXPERTS: ("int4_linear", "int4_fused_moe"),
+    }
     ops = kept.get(name.removesuffix("_ep"))
     return keeping_quantized(platform, *ops) if ops else platform
 
@@ -134,6 +145,7 @@ def workdir(tmp_path_factory) -> Path:
     write_fp8_checkpoint(path / KEPT_FP8, "llama", (16, 16))  # whole blocks on every rank of TP 2 and 4
     write_int4_checkpoint(path / KEPT_INT4, "llama", "awq", 32)
     write_fp8_checkpoint(path / KEPT_FP8_EXPERTS, "qwen3_moe", (16, 16))
+    write_int4_checkpoint(path / KEPT_INT4_EXPERTS, "qwen3_moe", "awq", 16)
     config = tiny_configs()["qwen3"]
     config.vocab_size = 251
     config.save_pretrained(path / DUMMY)  # dummy weights: the config alone
@@ -228,7 +240,10 @@ def test_expert_parallel_at_tp_n_equals_tp1(tp_n, tp1, name):
     for rank, seen in enumerate(ranks):
         held = f"experts {rank * share}-{rank * share + share - 1} whole"
         # (the kept experts' op: the test platform's, omnirun.testing.keeping_quantized)
-        op = " in fp8, fp8_fused_moe omnirun.testing" if name.startswith(KEPT_FP8_EXPERTS) else ", fused_moe reference"
+        op = {
+            KEPT_FP8_EXPERTS: " in fp8, fp8_fused_moe omnirun.testing",
+            KEPT_INT4_EXPERTS: " packed in int4, int4_fused_moe omnirun.testing",
+        }.get(name.removesuffix("_ep"), ", fused_moe reference")
         assert seen[name]["experts"] == f"top 2 of 8, {held}{op}"
 
 
@@ -240,6 +255,16 @@ def test_kept_fp8_experts_stay_fp8_where_each_rank_holds_whole_blocks(tp_n, tp1)
     held = f"each expert's columns split {world} ways"
     for seen in ranks:
         assert seen[KEPT_FP8_EXPERTS]["experts"] == f"top 2 of 8, {held}{op}"
+
+
+def test_kept_int4_experts_stay_packed_where_each_rank_holds_whole_groups(tp_n, tp1):
+    world, ranks = tp_n
+    kept = " packed in int4, int4_fused_moe omnirun.testing"
+    assert tp1[KEPT_INT4_EXPERTS]["experts"] == f"top 2 of 8, every expert whole{kept}"
+    op = kept if world == 2 else ", fused_moe reference"  # at TP 4, 8 columns a rank cut groups of 16
+    held = f"each expert's columns split {world} ways"
+    for seen in ranks:
+        assert seen[KEPT_INT4_EXPERTS]["experts"] == f"top 2 of 8, {held}{op}"
 
 
 def test_kept_fp8_blocks_stay_fp8_on_every_rank(tp_n, tp1):

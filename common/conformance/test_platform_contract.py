@@ -265,6 +265,21 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
 
         (w13, s13), (w2, s2) = experts(2 * 128, 200), experts(200, 128)
         return rand(7, 200), logits.to(device), w13, s13, w2, s2, 2, True, 0, (128, 128)
+    if name == "int4_fused_moe":
+        # fused_moe's routing over experts kept in 4 bits, groups of 32 (a partial last one over hidden 200), zero
+        # points over the whole 0..15 range.
+        logits = torch.randn(7, 4, generator=gen)
+        logits[:, 0] += 20.0
+        logits[:, 3] -= 40.0
+
+        def experts(rows, cols):
+            packed = torch.randint(-(2**31), 2**31, (4, rows, cols // 8), generator=gen, dtype=torch.int64)
+            scale = torch.rand(4, rows, -(-cols // 32), generator=gen) * 0.01 + 0.001
+            zero = torch.randint(0, 16, scale.shape, generator=gen).to(torch.uint8)
+            return packed.to(torch.int32).to(device), scale.to(device), zero.to(device)
+
+        w13, w2 = experts(2 * 64, 200), experts(200, 64)
+        return rand(7, 200), logits.to(device), *w13, *w2, 2, True, 0, 32
     if name == "fp8_linear":
         # Decode-sized rows, 128 x 128 blocks with partial last ones; a larger batch is the kernels' own test.
         weight = (torch.randn(200, 384, generator=gen) * 8).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)

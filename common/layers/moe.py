@@ -9,7 +9,10 @@ all-reduce, as the dense MLP's are (the router and the tokens are the same on ev
 
 Experts a checkpoint stores in fp8 stay in fp8 where the platform runs `fp8_fused_moe` (and the split keeps each
 scale with one expert projection and one rank): `w13`/`w2` then hold the fp8 values and `w13_scale`/`w2_scale` the
-float32 scales, per output row or per block, stacked as the weights are. Elsewhere they are dequantized at load.
+float32 scales, per output row or per block, stacked as the weights are. AWQ/GPTQ 4-bit experts stay packed where
+the platform runs `int4_fused_moe` (and the down projection's inputs on this rank are whole groups): `w13_packed`,
+`w13_scale`, `w13_zero_point` and `w2_*` hold each expert's rows in int4_linear's layout (Int4Weights), stacked.
+Elsewhere they are dequantized at load.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import torch
 from torch import nn
 
 from omnirun.distributed.tensor_parallel import TensorParallel
-from omnirun.layers.linear import Fp8Weights, Linear, QuantizedWeights
-from omnirun.layers.ops import Ops, runs_fp8_experts
+from omnirun.layers.linear import Fp8Weights, Int4Weights, KeptWeightMismatch, Linear, QuantizedWeights
+from omnirun.layers.ops import Ops, runs_fp8_experts, runs_int4_experts
 from omnirun.layers.sharding import ShardTarget, Slice
 
 logger = logging.getLogger(__name__)
@@ -44,16 +47,26 @@ class SparseMoE(nn.Module):
         shared: nn.Module | None = None,
         quantized: QuantizedWeights | None = None,
     ):
-        """`quantized`: the form the checkpoint stores the experts in (kept where `_keeps_fp8` says so)."""
+        """`quantized`: the form the checkpoint stores the experts in (kept where `_keeps_fp8` / `_keeps_int4` say
+        so)."""
         super().__init__()
         self.ops, self.top_k, self.renormalize, self.columns = ops, top_k, renormalize, columns
         self.num_experts, self.experts = num_experts, experts  # all of them, and the global ids of this rank's
         self.gate = Linear(hidden_size, num_experts, bias=False, ops=ops, dtype=dtype)  # the router, whole
         size, local = columns.size, len(experts)
         self.fp8 = quantized if isinstance(quantized, Fp8Weights) and self._keeps_fp8(quantized, ops) else None
-        weight_dtype = dtype if self.fp8 is None else torch.float8_e4m3fn
-        self.w13 = _frozen(torch.empty(local, 2 * size, hidden_size, dtype=weight_dtype))
-        self.w2 = _frozen(torch.empty(local, hidden_size, size, dtype=weight_dtype))
+        self.int4 = quantized if isinstance(quantized, Int4Weights) and self._keeps_int4(quantized, ops) else None
+        self.hidden_size = hidden_size
+        if self.int4 is not None:
+            for name, rows, inputs in (("w13", 2 * size, hidden_size), ("w2", hidden_size, size)):
+                groups = -(-inputs // self._group(inputs))
+                setattr(self, f"{name}_packed", _frozen(torch.empty(local, rows, inputs // 8, dtype=torch.int32)))
+                setattr(self, f"{name}_scale", _frozen(torch.empty(local, rows, groups)))
+                setattr(self, f"{name}_zero_point", _frozen(torch.empty(local, rows, groups, dtype=torch.uint8)))
+        else:
+            weight_dtype = dtype if self.fp8 is None else torch.float8_e4m3fn
+            self.w13 = _frozen(torch.empty(local, 2 * size, hidden_size, dtype=weight_dtype))
+            self.w2 = _frozen(torch.empty(local, hidden_size, size, dtype=weight_dtype))
         if self.fp8 is not None:
             self.w13_scale = _frozen(torch.empty(local, *self._scale_shape(2 * size, hidden_size)))
             self.w2_scale = _frozen(torch.empty(local, *self._scale_shape(hidden_size, size)))
@@ -77,6 +90,24 @@ class SparseMoE(nn.Module):
             _say_once(f"fp8 blocks {list(fp8.block)} cut at expert columns {part}: the experts are dequantized at load")
         return not cut
 
+    def _keeps_int4(self, int4: Int4Weights, ops: Ops) -> bool:
+        """Whether the experts stay packed: the platform runs `int4_fused_moe`, and this rank's inputs of the down
+        projection are whole groups and whole words of eight (gate's and up's rows split freely)."""
+        if not runs_int4_experts(ops):
+            _say_once("this device runs no int4_fused_moe kernel: 4-bit experts are dequantized at load")
+            return False
+        part = self.columns
+        size = part.full if int4.group_size == -1 else int4.group_size
+        cut = part.start % size or (part.size % size and part.end != part.full) or part.start % 8 or part.size % 8
+        if cut:
+            _say_once(f"int4 groups of {size} cut at expert columns {part}: the experts are dequantized at load")
+        return not cut
+
+    def _group(self, inputs: int) -> int:
+        """The kept 4-bit experts' inputs per scale for a projection of `inputs` inputs (group size -1: all of them,
+        whole on this rank where kept)."""
+        return inputs if self.int4.group_size == -1 else self.int4.group_size
+
     def _scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
         if self.fp8.block is None:
             return (rows,)
@@ -84,7 +115,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if self.fp8 is not None:
+        if self.int4 is not None:
+            out = self.ops.int4_fused_moe(
+                x, logits, self.w13_packed, self.w13_scale, self.w13_zero_point, self.w2_packed, self.w2_scale,
+                self.w2_zero_point, self.top_k, self.renormalize, self.experts.start, self.int4.group_size,
+            )  # fmt: skip
+        elif self.fp8 is not None:
             out = self.ops.fp8_fused_moe(
                 x, logits, self.w13, self.w13_scale, self.w2, self.w2_scale, self.top_k, self.renormalize,
                 self.experts.start, self.fp8.block,
@@ -100,6 +136,8 @@ class SparseMoE(nn.Module):
     def expert_target(self, expert: int, projection: str, param: str = "weight") -> ShardTarget | None:
         """Where one expert's checkpoint projection ("gate", "up" or "down") lands on this rank (None: the expert
         lives on another rank): its `weight`, or the `weight_scale` of experts kept in fp8 (KeyError otherwise)."""
+        if self.int4 is not None:
+            return self._int4_target(expert, projection, param)
         if param not in ("weight", "weight_scale") or (param == "weight_scale" and self.fp8 is None):
             raise KeyError(param)
         if expert not in self.experts:
@@ -124,6 +162,27 @@ class SparseMoE(nn.Module):
         rows = stacked.narrow(0, 0 if projection == "gate" else columns.size, columns.size)
         return ShardTarget.of(rows, full, 0, columns)
 
+    def _int4_target(self, expert: int, projection: str, param: str) -> ShardTarget | None:
+        """`expert_target` of experts kept packed: `weight_packed` (words of eight inputs), `weight_scale` and
+        `weight_zero_point` (a column per group), each expert's rows stacked as `w13`/`w2`'s are."""
+        parts = ("weight_packed", "weight_scale", "weight_zero_point")
+        if expert not in self.experts and param in ("weight", *parts):  # another rank's: its parts are dropped unread
+            return None
+        if param == "weight":
+            raise KeptWeightMismatch("its experts keep the int4 weights the checkpoint's quantization_config says")
+        if param not in parts:
+            raise KeyError(param)
+        name = "w2" if projection == "down" else "w13"
+        stacked = getattr(self, f"{name}_{param.removeprefix('weight_')}").data[expert - self.experts.start]
+        columns = self.columns
+        if projection == "down":  # this rank's inputs: whole words, and whole groups (`_keeps_int4`)
+            step = 8 if param == "weight_packed" else self._group(columns.full)
+            part = Slice(-(-columns.full // step), columns.start // step, -(-columns.size // step))
+            return ShardTarget.of(stacked, (self.hidden_size, part.full), 1, part)
+        inputs = self.hidden_size // 8 if param == "weight_packed" else stacked.shape[1]
+        rows = stacked.narrow(0, 0 if projection == "gate" else columns.size, columns.size)
+        return ShardTarget.of(rows, (columns.full, inputs), 0, columns)
+
     def _in_blocks(self, full: tuple[int, int], part: Slice, axis: int) -> tuple[tuple[int, int], Slice]:
         """A projection's full shape and this rank's part along `axis`, counted in the fp8 scales' blocks."""
         blocks = tuple(-(-size // step) for size, step in zip(full, self.fp8.block, strict=True))
@@ -131,11 +190,21 @@ class SparseMoE(nn.Module):
         return blocks, Slice(blocks[axis], part.start // step, -(-part.size // step))
 
     def weights(self) -> tuple[nn.Parameter, ...]:
-        """Every tensor the experts are made of (the fp8 scales too)."""
+        """Every tensor the experts are made of (the fp8 scales, the 4-bit scales and zero points too)."""
+        if self.int4 is not None:
+            parts = ("packed", "scale", "zero_point")
+            return tuple(getattr(self, f"{name}_{part}") for name in ("w13", "w2") for part in parts)
         return (self.w13, self.w2) + ((self.w13_scale, self.w2_scale) if self.fp8 is not None else ())
+
+    def checkpoint_params(self) -> tuple[str, ...]:
+        """The parameters of each expert projection a checkpoint of this layer holds (its `expert_target`s)."""
+        if self.int4 is not None:
+            return ("weight_packed", "weight_scale", "weight_zero_point")
+        return ("weight", "weight_scale") if self.fp8 is not None else ("weight",)
 
     def extra_repr(self) -> str:
         kept = "" if self.fp8 is None else f", fp8={'per-row' if self.fp8.block is None else list(self.fp8.block)}"
+        kept += "" if self.int4 is None else f", int4 group {self.int4.group_size}"
         return f"experts={self.experts.start}..{self.experts.stop - 1} of {self.num_experts}, top_k={self.top_k}{kept}"
 
 

@@ -218,6 +218,42 @@ def dequantize_fp8_experts(weight: torch.Tensor, scale: torch.Tensor, block: tup
     return torch.stack([dequantize_fp8(w, s, block) for w, s in zip(weight, scale, strict=True)])
 
 
+def int4_fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_zero_point: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_zero_point: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_start: int = 0,
+    group_size: int = 128,
+) -> torch.Tensor:
+    """`fused_moe` of experts kept in 4 bits (Ops.int4_fused_moe has the layouts): the experts dequantized to x's
+    dtype, as a model whose experts were dequantized at load holds them, then the reference."""
+    return fused_moe(
+        x,
+        router_logits,
+        dequantize_int4_experts(w13_packed, w13_scale, w13_zero_point, group_size).to(x.dtype),
+        dequantize_int4_experts(w2_packed, w2_scale, w2_zero_point, group_size).to(x.dtype),
+        top_k,
+        renormalize,
+        expert_start,
+    )
+
+
+def dequantize_int4_experts(
+    packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """float32 [n, N, K] of stacked 4-bit experts (packed [n, N, K / 8]), each by `dequantize_int4`; a group size of
+    -1 is one group over the whole input."""
+    group = packed.shape[-1] * 8 if group_size == -1 else group_size
+    return torch.stack([dequantize_int4(*expert, group) for expert in zip(packed, scale, zero_point, strict=True)])
+
+
 # argmax of fewer rows than this reduces the vocabulary in chunks of this many tokens.
 _TWO_STAGE_MAX_ROWS = 32
 _VOCAB_CHUNK = 4096

@@ -32,6 +32,12 @@ class Ops:
     # ceil(H / columns)], [n, ceil(H / rows), ceil(I / columns)]). Offered only where a kernel runs it: with the
     # reference alone, fp8 experts are dequantized at load.
     fp8_fused_moe: Callable[..., Any] = native_ops.fp8_fused_moe
+    # A mixture of experts that kept its checkpoint's 4-bit experts (AWQ, GPTQ): (x, router logits, w13_packed int32
+    # [n, 2I, H / 8], w13_scale float32 [n, 2I, ceil(H / G)], w13_zero_point uint8 [n, 2I, ceil(H / G)], w2_packed
+    # [n, H, I / 8], w2_scale, w2_zero_point [n, H, ceil(I / G)], top_k, renormalize, expert_start, group_size G (-1:
+    # one group over each projection's whole input)) -> [T, H]; each expert's rows in int4_linear's layout. Offered
+    # only where a kernel runs it: with the reference alone, 4-bit experts are dequantized at load.
+    int4_fused_moe: Callable[..., Any] = native_ops.int4_fused_moe
     argmax: Callable[..., Any] = native_ops.argmax  # greedy sampling's pick (the sampler's, not a layer's)
     # A sampled row's pick: (logits [B, V], SamplingBatch) -> int64 [B], filtered by temperature, top-k, top-p and
     # min-p, drawn with the batch's counter-based random numbers.
@@ -79,6 +85,11 @@ def runs_fp8_weights(ops: Ops) -> bool:
 def runs_fp8_experts(ops: Ops) -> bool:
     """Whether mixtures of experts keep fp8 checkpoint experts: the platform offers a kernel for `fp8_fused_moe`."""
     return ops.fp8_fused_moe is not native_ops.fp8_fused_moe
+
+
+def runs_int4_experts(ops: Ops) -> bool:
+    """Whether mixtures of experts keep AWQ/GPTQ 4-bit experts packed: the platform offers `int4_fused_moe`."""
+    return ops.int4_fused_moe is not native_ops.int4_fused_moe
 
 
 def runs_int4_weights(ops: Ops) -> bool:

@@ -207,6 +207,10 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
         "qwen3-30b-a3b-fp8": _preset(
             Qwen3MoeConfig, "Qwen3-30B-A3B, fp8 in 128 x 128 blocks", **_QWEN3_30B_A3B, quantization_config=_FP8_BLOCK
         ),
+        # AWQ int4 in groups of 128, every decoder projection (the experts' too), as AutoAWQ quantizes a Qwen3-MoE
+        "qwen3-30b-a3b-awq": _preset(
+            Qwen3MoeConfig, "Qwen3-30B-A3B, AWQ int4 in groups of 128", **_QWEN3_30B_A3B, quantization_config=_AWQ_INT4
+        ),
         "mixtral-8x7b": _preset(
             MixtralConfig,
             "Mixtral-8x7B-v0.1",

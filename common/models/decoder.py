@@ -255,7 +255,7 @@ class DecoderModel(nn.Module):
 # An expert's projection in a checkpoint: Qwen's `mlp.experts.3.gate_proj.weight`, Mixtral's
 # `block_sparse_moe.experts.3.w1.weight` (read as `mlp.`); and its scales where the experts stay in fp8.
 _EXPERT = re.compile(
-    r"(?P<moe>.+\.mlp)\.experts\.(?P<id>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<param>weight|weight_scale)"
+    r"(?P<moe>.+\.mlp)\.experts\.(?P<id>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<param>weight|weight_scale|weight_packed|weight_zero_point)"
 )
 _EXPERT_PROJECTIONS = {
     "gate_proj": "gate",
@@ -270,8 +270,8 @@ _EXPERT_PROJECTIONS = {
 def _expert_names(moe_path: str, moe: SparseMoE, mixtral: bool) -> list[str]:
     """The checkpoint names of the projections of the experts (this rank's) of the MoE module at `moe_path`."""
     prefix = moe_path.replace(".mlp", ".block_sparse_moe") if mixtral else moe_path
-    params = ("weight", "weight_scale") if moe.fp8 is not None else ("weight",)
     projections = _expert_projections(mixtral)
+    params = moe.checkpoint_params()
     return [f"{prefix}.experts.{e}.{p}.{param}" for e in moe.experts for p in projections for param in params]
 
 
@@ -395,8 +395,8 @@ class DecoderForCausalLM(nn.Module):
         for name, _ in self.named_parameters():
             module_path, _, param_name = name.rpartition(".")
             parent_path, _, leaf = module_path.rpartition(".")
-            if param_name in ("w13", "w2", "w13_scale", "w2_scale"):  # stacked experts: one checkpoint tensor per
-                if param_name == "w13":  # expert, projection and parameter
+            if param_name.startswith(("w13", "w2")):  # stacked experts (SparseMoE's w13*, w2*): one checkpoint
+                if param_name in ("w13", "w13_packed"):  # tensor per expert, projection and parameter
                     names.extend(_expert_names(module_path, self.get_submodule(module_path), moe.mixtral_names))
                 continue
             if moe is not None and moe.mixtral_names and name.endswith(".mlp.gate.weight"):

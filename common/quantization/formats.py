@@ -59,15 +59,19 @@ _FORMATS = {
 }
 
 
-def loading_summary(fp8_kernel: bool, int4_kernel: bool = False, fp8_experts: bool = False) -> str:
+def loading_summary(
+    fp8_kernel: bool, int4_kernel: bool = False, fp8_experts: bool = False, int4_experts: bool = False
+) -> str:
     """What `omnirun env` says of quantized checkpoints on a device that does or does not run `fp8_linear`
-    (`fp8_kernel`), `int4_linear` (`int4_kernel`) and `fp8_fused_moe` (`fp8_experts`)."""
+    (`fp8_kernel`), `int4_linear` (`int4_kernel`), `fp8_fused_moe` (`fp8_experts`) and `int4_fused_moe`
+    (`int4_experts`)."""
     kept = [
         what
         for what, runs in (
             ("fp8 weights kept in fp8 for fp8_linear", fp8_kernel),
             ("fp8 experts kept in fp8 for fp8_fused_moe", fp8_experts),
             ("awq/gptq 4-bit weights kept packed for int4_linear", int4_kernel),
+            ("awq/gptq 4-bit experts kept packed for int4_fused_moe", int4_experts),
         )
         if runs
     ]

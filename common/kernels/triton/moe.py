@@ -16,6 +16,9 @@ index winning ties, renormalisation), computed as HF's routers compute it.
 
 Experts kept in fp8 (`fp8_fused_moe`) take the same kernels: each fp8 tile is widened in registers and multiplied by
 its per-row or block scales (`_widened`), so a step reads half the bytes of bf16's; the activations stay unquantized.
+Experts kept in 4 bits (`int4_fused_moe`, AWQ/GPTQ checkpoints: eight inputs an int32 word, a scale and a zero point
+per row and group of inputs) take them too: each step's words are unpacked and dequantized in registers
+(`_int4_tile`), a quarter of bf16's bytes.
 
 Importing this module imports triton; the capability gate (omnirun.kernels) offers it only where triton runs.
 """
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from omnirun.kernels.triton.int4_linear import _float32_nibbles
 from omnirun.kernels.triton.modes import INTERPRETED
 from omnirun.kernels.triton.moe_tiles import DEFAULT, MoeTiles
 
@@ -66,6 +70,43 @@ def _widened(
     return w
 
 
+@triton.jit
+def _int4_tile(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    rows,
+    row_mask,
+    k0,
+    K,
+    stride_wn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,  # inputs per scale: a multiple or a divisor of BLOCK_K
+):
+    """The weight tile [BLOCK_N, BLOCK_K] (its `rows`, columns k0..) of a 4-bit expert in float32, (q - z) x s:
+    `w_ptr` the expert's words [N, K / 8] (inputs 8c..8c+7 in word c, the lowest bits first), `s_ptr` / `z_ptr` its
+    scales and zero points [N, groups] (both of row stride `stride_sn`)."""
+    SPAN: tl.constexpr = min(GROUP, BLOCK_K)  # columns of the tile sharing a scale
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    words = tl.load(
+        w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 // 8 + offs_w)[None, :],
+        mask=row_mask[:, None] & (k0 + offs_w * 8 < K)[None, :],
+        other=0,
+    )
+    q = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+    group = (k0 + tl.arange(0, BLOCK_K // SPAN) * SPAN) // GROUP
+    at = rows[:, None].to(tl.int64) * stride_sn + group[None, :]
+    mask = row_mask[:, None] & (group < tl.cdiv(K, GROUP))[None, :]
+    s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + at, mask=mask, other=0).to(tl.int32)
+    # q - z exactly, with no int -> float conversion (see _float32_nibbles). Columns past K hold q = 0 (masked words)
+    # but their group's zero point: finite values that meet the masked activations' zeros.
+    w = _float32_nibbles(tl.reshape(q, (BLOCK_N, BLOCK_K // SPAN, SPAN)), z[:, :, None]) * s[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
 @triton.jit(do_not_specialize=["num_slots"])
 def _grouped_gemm_kernel(
     a_ptr,
@@ -85,6 +126,7 @@ def _grouped_gemm_kernel(
     s_ptr,
     stride_se,
     stride_sn,
+    z_ptr,  # int4 weights' zero points (as the scales); None for others
     SLOTS_PER_ROW: tl.constexpr,  # a row of `a` feeds this many slots (top_k for the tokens, 1 for the slots)
     MUL_WEIGHTS: tl.constexpr,
     IEEE: tl.constexpr,  # float32 inputs: exact products (no tf32)
@@ -93,6 +135,7 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
     SCALE_COLS: tl.constexpr = 0,
+    INT4_GROUP: tl.constexpr = 0,  # int4 weights (b: their words): inputs per scale (see _int4_tile); 0: others
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -110,7 +153,11 @@ def _grouped_gemm_kernel(
             mask=valid[:, None] & (offs_k[None, :] < K),
             other=0.0,
         )
-        if SCALE_ROWS > 0:  # fp8: widened and scaled in registers, then rounded to a's dtype as at load
+        if INT4_GROUP > 0:  # int4: dequantized in registers, then rounded to a's dtype as at load
+            w = _int4_tile(b_ptr + expert * stride_be, s_ptr + expert * stride_se, z_ptr + expert * stride_se, offs_n,
+                           offs_n < N, k0, K, stride_bn, stride_sn, BLOCK_N, BLOCK_K, INT4_GROUP)  # fmt: skip
+            b = tl.trans(w.to(a_ptr.dtype.element_ty))
+        elif SCALE_ROWS > 0:  # fp8: widened and scaled in registers, then rounded to a's dtype as at load
             w = tl.load(
                 b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :],
                 mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
@@ -206,11 +253,13 @@ def _slot_gate_up_kernel(
     s_ptr,
     stride_se,
     stride_sn,
+    z_ptr,  # int4 weights' zero points (as the scales); None for others
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
     SCALE_COLS: tl.constexpr = 0,
+    INT4_GROUP: tl.constexpr = 0,  # int4 weights (their words): inputs per scale (see _int4_tile); 0: others
 ):
     """act[slot, n] = silu(gate) * up of the slot's token through its expert's rows n and inter + n, in float32."""
     slot = tl.program_id(0).to(tl.int64)
@@ -226,13 +275,20 @@ def _slot_gate_up_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
         n_mask = offs_n < inter
-        mask = n_mask[:, None] & (offs_k[None, :] < K)
-        g = tl.load(rows + offs_k[None, :], mask=mask, other=0.0)
-        u = tl.load(rows + inter * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-        scales = s_ptr + expert * stride_se
-        gate += _widened(g, scales, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS) * x
-        up += _widened(u, scales, offs_n + inter, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS,
-                       SCALE_COLS) * x  # fmt: skip
+        if INT4_GROUP > 0:
+            words, scales, zeros = w13_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
+            gate += _int4_tile(words, scales, zeros, offs_n, n_mask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K,
+                               INT4_GROUP) * x  # fmt: skip
+            up += _int4_tile(words, scales, zeros, offs_n + inter, n_mask, k0, K, stride_wn, stride_sn, BLOCK_N,
+                             BLOCK_K, INT4_GROUP) * x  # fmt: skip
+        else:
+            mask = n_mask[:, None] & (offs_k[None, :] < K)
+            g = tl.load(rows + offs_k[None, :], mask=mask, other=0.0)
+            u = tl.load(rows + inter * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+            scales = s_ptr + expert * stride_se
+            gate += _widened(g, scales, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS) * x
+            up += _widened(u, scales, offs_n + inter, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS,
+                           SCALE_COLS) * x  # fmt: skip
     g, u = tl.sum(gate, 1), tl.sum(up, 1)
     tl.store(act_ptr + slot * inter + offs_n, g * tl.sigmoid(g) * u, mask=offs_n < inter)
 
@@ -254,11 +310,13 @@ def _token_down_kernel(
     s_ptr,
     stride_se,
     stride_sn,
+    z_ptr,  # int4 weights' zero points (as the scales); None for others
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
     SCALE_COLS: tl.constexpr = 0,
+    INT4_GROUP: tl.constexpr = 0,  # int4 weights (their words): inputs per scale (see _int4_tile); 0: others
 ):
     """out[token, n] = sum over the token's slots of weight * (w2[expert] row n . act[slot]), in float32."""
     token = tl.program_id(0).to(tl.int64)
@@ -274,33 +332,69 @@ def _token_down_kernel(
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(act_ptr + slot * K + offs_k, mask=offs_k < K, other=0.0) * weight
                 n_mask = offs_n < N
-                w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-                acc += _widened(w, s_ptr + expert * stride_se, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K,
-                                SCALE_ROWS, SCALE_COLS) * a[None, :]  # fmt: skip
+                if INT4_GROUP > 0:
+                    scales, zeros = s_ptr + expert * stride_se, z_ptr + expert * stride_se
+                    w = _int4_tile(w2_ptr + expert * stride_we, scales, zeros, offs_n, n_mask, k0, K, stride_wn,
+                                   stride_sn, BLOCK_N, BLOCK_K, INT4_GROUP)  # fmt: skip
+                    acc += w * a[None, :]
+                else:
+                    w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+                    acc += _widened(w, s_ptr + expert * stride_se, offs_n, n_mask, k0, K, stride_sn, BLOCK_N,
+                                    BLOCK_K, SCALE_ROWS, SCALE_COLS) * a[None, :]  # fmt: skip
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Scales:
-    """A weight's fp8 scales as the kernels take them: the tensor (one slab per expert), and SCALE_ROWS /
-    SCALE_COLS (see _widened). `PLAIN` stands for weights in the model dtype."""
+    """A weight's fp8 scales, or int4 scales and zero points, as the kernels take them: the tensors (one slab per
+    expert), and SCALE_ROWS / SCALE_COLS (see _widened) or INT4_GROUP (see _int4_tile). `PLAIN` stands for weights in
+    the model dtype."""
 
     tensor: torch.Tensor | None
     rows: int = 0
     cols: int = 0
+    zeros: torch.Tensor | None = None  # int4: uint8 zero points, shaped (and so strided) as `tensor`
+    group: int = 0  # int4: inputs per scale; 0: not int4
 
     @classmethod
     def of(cls, scale: torch.Tensor, block: tuple[int, int] | None) -> _Scales:
         return cls(scale.contiguous(), 1, 0) if block is None else cls(scale.contiguous(), *block)
 
-    def args(self, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        """(pointer, stride per expert, stride per row of blocks); a plain weight passes itself, never read."""
+    @classmethod
+    def int4(cls, scale: torch.Tensor, zero_point: torch.Tensor, group_size: int, inputs: int) -> _Scales:
+        """An int4 weight's [n, N, groups] scales and zero points over groups of `group_size` of its `inputs` (-1:
+        one group; a power of two at least `inputs` stands for it, so that every input lies in group 0)."""
+        if scale.shape != zero_point.shape:
+            raise ValueError(f"int4 scales {tuple(scale.shape)} and zero points {tuple(zero_point.shape)} differ")
+        group = triton.next_power_of_2(inputs) if group_size == -1 else group_size
+        return cls(scale.contiguous(), zeros=zero_point.contiguous(), group=group)
+
+    @property
+    def fp8(self) -> bool:
+        return self.tensor is not None and not self.group
+
+    def inputs(self, weight: torch.Tensor) -> int:
+        """K of the stacked weight [n, N, K]: eight a word of int4's."""
+        return weight.shape[2] * 8 if self.group else weight.shape[2]
+
+    def block_k(self, block_k: int) -> int:
+        """The K step of a tile for this weight: an int4 step must lie in one group or hold whole ones, so a tile's
+        that does neither is lowered to the largest power of two dividing the group (int4_fused_moe takes groups of
+        multiples of 16 only: tl.dot's least K)."""
+        if self.group and self.group % block_k and block_k % self.group:
+            return self.group & -self.group
+        return block_k
+
+    def args(self, weight: torch.Tensor) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
+        """(pointer, stride per expert, stride per row of blocks, int4 zero points or None); a plain weight passes
+        itself, never read."""
         if self.tensor is None:
-            return weight, 0, 0
-        return self.tensor, self.tensor.stride(0), self.tensor.stride(1) if self.tensor.dim() == 3 else 0
+            return weight, 0, 0, None
+        stride_sn = self.tensor.stride(1) if self.tensor.dim() == 3 else 0
+        return self.tensor, self.tensor.stride(0), stride_sn, self.zeros
 
     def constexprs(self) -> dict[str, int]:
-        return {"SCALE_ROWS": self.rows, "SCALE_COLS": self.cols}
+        return {"SCALE_ROWS": self.rows, "SCALE_COLS": self.cols, "INT4_GROUP": self.group}
 
 
 PLAIN = _Scales(None)
@@ -309,21 +403,22 @@ PLAIN = _Scales(None)
 def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTiles, s13=PLAIN, s2=PLAIN):
     """The decode path: a GEMV per slot for gate|up and the activation, then one per token for the weighted down
     projections, with no sort; another rank's slots are skipped, not multiplied by zero. fp8 experts (scales given)
-    take the table's fp8 tiles (`fp8_decode`, else `decode`'s)."""
+    take the table's fp8 tiles (`fp8_decode`, else `decode`'s), int4 experts `decode`'s."""
     tokens, hidden = x.shape
-    local, inter = w13.shape[0], w2.shape[2]
+    local, inter = w13.shape[0], s2.inputs(w2)
     act = torch.empty(tokens * top_k, inter, dtype=torch.float32, device=x.device)
-    bucket = tiles.slot_tiles(tokens * top_k, fp8=s13.tensor is not None)
+    bucket = tiles.slot_tiles(tokens * top_k, fp8=s13.fp8)
     block_n, block_k, num_warps = bucket.gate_up
     _slot_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
         x, w13, experts, act, expert_start, local, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        *s13.args(w13), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **s13.constexprs(),
+        *s13.args(w13), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=s13.block_k(block_k), num_warps=num_warps,
+        **s13.constexprs(),
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k, num_warps = bucket.down
     _token_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
         act, w2, experts, weights, out, expert_start, local, hidden, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), *s2.args(w2), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        out.stride(0), *s2.args(w2), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=s2.block_k(block_k), num_warps=num_warps,
         **s2.constexprs(),
     )  # fmt: skip
     return out
@@ -360,9 +455,10 @@ def _grouped_gemm(
 ):  # fmt: skip
     """out[slot] = a[slot // slots_per_row] @ b[expert of slot].T (x the slot's weight), for every slot this rank
     computes; with `skips`, the rows of the slots it skips are zeros."""
-    n, k = b.shape[1], b.shape[2]
+    n, k = b.shape[1], scales.inputs(b)
     out = (torch.zeros if skips else torch.empty)(num_slots, n, dtype=out_dtype, device=a.device)
     block_m, block_n, block_k, num_warps, num_stages = tile
+    block_k = scales.block_k(block_k)
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a,
@@ -442,8 +538,41 @@ def fp8_fused_moe(
     return _mixture(x, router_logits, w13, w2, top_k, renormalize, expert_start, tiles, s13, s2)
 
 
+def int4_fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_zero_point: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_zero_point: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_start: int = 0,
+    group_size: int = 128,
+    tiles: MoeTiles = DEFAULT,
+) -> torch.Tensor:
+    """See omnirun.layers.native_ops.int4_fused_moe (the reference; Ops.int4_fused_moe has the layouts): `fused_moe`
+    whose kernels read the experts' int32 words and dequantize each tile in registers, (q - zero) x scale in float32
+    (weight-only: the activations stay in x's dtype); the grouped GEMMs round it to x's dtype before the dot, as
+    dequantizing at load does. Groups of a multiple of 16 inputs (every checkpoint's 32, 64 or 128) or -1, else the
+    reference runs."""
+    from omnirun.layers import native_ops
+
+    if x.dtype not in _KERNEL_DTYPES or x.dim() != 2 or (group_size != -1 and (group_size <= 0 or group_size % 16)):
+        return native_ops.int4_fused_moe(
+            x, router_logits, w13_packed, w13_scale, w13_zero_point, w2_packed, w2_scale, w2_zero_point, top_k,
+            renormalize, expert_start, group_size,
+        )  # fmt: skip
+    s13 = _Scales.int4(w13_scale, w13_zero_point, group_size, w13_packed.shape[2] * 8)
+    s2 = _Scales.int4(w2_scale, w2_zero_point, group_size, w2_packed.shape[2] * 8)
+    return _mixture(x, router_logits, w13_packed, w2_packed, top_k, renormalize, expert_start, tiles, s13, s2)
+
+
 def _mixture(x, router_logits, w13, w2, top_k, renormalize, expert_start, tiles, s13, s2):
-    """The mixture on either path, the experts' weights plain or fp8 with their scales."""
+    """The mixture on either path, the experts' weights plain, fp8 with their scales, or int4 words with their scales
+    and zero points."""
     tokens = x.shape[0]
     if tokens == 0:
         return torch.zeros_like(x)

@@ -401,7 +401,7 @@ def triton_fused_ops(pdl: bool = False, device_name: str | None = None) -> dict[
         ops = {name: functools.partial(op, pdl=True) for name, op in ops.items()}
     from omnirun.kernels.triton import int4_linear  # W4A16 (AWQ, GPTQ): integer unpacking, 16-bit dots
     from omnirun.kernels.triton.matmul import batch_invariant_linear  # deterministic mode's linear layers
-    from omnirun.kernels.triton.moe import fused_moe  # mixtures of experts as two grouped GEMMs, graph-capturable
+    from omnirun.kernels.triton.moe import fused_moe, int4_fused_moe  # two grouped GEMMs each, graph-capturable
     from omnirun.kernels.triton.moe_tiles import tiles_for
     from omnirun.kernels.triton.penalties import apply_penalties  # the penalties in one pass over the logits
     from omnirun.kernels.triton.sample import sample  # sort-free sampling (bench/sample_op.py measures it)
@@ -414,6 +414,7 @@ def triton_fused_ops(pdl: bool = False, device_name: str | None = None) -> dict[
         "apply_penalties": apply_penalties,
         "apply_token_bitmask": apply_token_bitmask,
         "fused_moe": functools.partial(fused_moe, tiles=tiles_for(device_name)),
+        "int4_fused_moe": functools.partial(int4_fused_moe, tiles=tiles_for(device_name)),
         "int4_linear": int4_linear.int4_linear,
         "int4_linear_takes": int4_linear.takes,
     }

@@ -1,0 +1,121 @@
+"""The Triton `int4_fused_moe` op (experts kept in 4 bits, AWQ/GPTQ) against its torch reference
+(omnirun.layers.native_ops.int4_fused_moe, which dequantizes the experts first), on both paths. Without a GPU the
+kernels run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'omnirun[cuda]' or '[rocm]')")
+
+from omnirun.kernels.triton import moe  # noqa: E402
+from omnirun.kernels.triton.moe import int4_fused_moe  # noqa: E402
+from omnirun.kernels.triton.moe_tiles import DEFAULT, DecodeBucket, GroupedBucket, MoeTiles  # noqa: E402
+from omnirun.layers import native_ops  # noqa: E402
+from omnirun.quantization.int4 import pack_int4_rows  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
+
+# K steps of 32 on both paths (groups of 32: one a step; of 128 and -1: spanning steps; of 48: neither, the step
+# drops to 16), or of 128 (holding several groups of 32, or of -1's over a shorter K). N tiles of 64: few programs
+# for the interpreter.
+STEPS_32 = MoeTiles(
+    1, (DecodeBucket(1 << 30, (64, 32, 4), (64, 32, 4)),), (GroupedBucket(1 << 30, (16, 64, 32, 4, 1)),)
+)
+STEPS_128 = MoeTiles(
+    1, (DecodeBucket(1 << 30, (64, 128, 4), (64, 128, 4)),), (GroupedBucket(1 << 30, (16, 64, 128, 4, 1)),)
+)
+
+
+def _int4_experts(experts: int, rows: int, cols: int, group: int, seed: int):
+    """Stacked 4-bit experts [n, rows, cols] as int4_fused_moe takes them: (packed int32 [n, rows, cols / 8], float32
+    scales and uint8 zero points [n, rows, groups]), random q and zero points over 0..15, scales float16-representable
+    and sized for weights of about 1 / sqrt(cols)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = 1 if group == -1 else -(-cols // group)
+    q = torch.randint(0, 16, (experts, rows, cols), generator=gen)
+    zero_point = torch.randint(0, 16, (experts, rows, groups), generator=gen).to(torch.uint8)
+    scale = ((torch.rand(experts, rows, groups, generator=gen) + 0.5) / (8 * cols**0.5)).half().float()
+    packed = torch.stack([pack_int4_rows(expert) for expert in q])
+    return tuple(t.to(DEVICE) for t in (packed, scale, zero_point))
+
+
+def _inputs(tokens: int, hidden: int, inter: int, experts: int, dtype: torch.dtype, group: int, seed: int = 0):
+    """x, router logits, then w13's and w2's (packed, scale, zero point)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, 0] += 4.0  # expert 0 takes every token
+    logits[:, -1] -= 40.0  # the last one none
+    if tokens > 3:
+        logits[3, 1] += 40.0
+    w13 = _int4_experts(experts, 2 * inter, hidden, group, seed + 1)
+    w2 = _int4_experts(experts, hidden, inter, group, seed + 2)
+    return x, logits.to(DEVICE), w13, w2
+
+
+@pytest.fixture(params=["by_slot", "grouped"])
+def path(request, monkeypatch):
+    """Each case through both paths: the decode path (a GEMV per slot) and the grouped GEMMs."""
+    monkeypatch.setattr(MoeTiles, "by_slot", lambda self, slots, local: request.param == "by_slot")
+    return request.param
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize(
+    "tokens, dtype, group, hidden, inter, tiles",
+    [
+        (5, torch.float32, 32, 40, 48, STEPS_32),  # hidden 40: a partial last step and group
+        (5, torch.bfloat16, 32, 136, 48, STEPS_128),
+        (5, torch.bfloat16, 128, 136, 48, STEPS_32),  # two groups over hidden (the last of 8), one partial over inter
+        (5, torch.bfloat16, -1, 40, 48, STEPS_32),
+        (5, torch.float16, -1, 72, 48, STEPS_128),
+        (5, torch.bfloat16, 48, 104, 48, STEPS_32),
+    ],
+    ids=["fp32-g32", "bf16-g32-wide", "bf16-g128", "bf16-whole", "fp16-whole-wide", "bf16-g48"],
+)
+def test_int4_experts_equal_the_reference(tokens, dtype, group, hidden, inter, tiles, path):
+    x, logits, w13, w2 = _inputs(tokens, hidden, inter, experts=5, dtype=dtype, group=group)
+    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles)
+    expected = native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), expected.float(), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_int4_experts_of_one_rank_under_expert_parallelism(start, path):
+    """Experts start..start+1 of 4 on this rank: the kernel adds what the reference adds for them, and the two
+    ranks' parts sum to the whole mixture."""
+    x, logits, w13, w2 = _inputs(6, hidden=40, inter=32, experts=4, dtype=torch.float32, group=32)
+
+    def rank(first: int) -> tuple[torch.Tensor, ...]:
+        mine = slice(first, first + 2)
+        return *(t[mine] for t in w13), *(t[mine] for t in w2)
+
+    part = int4_fused_moe(x, logits, *rank(start), 2, False, start, 32, STEPS_32)
+    expected = native_ops.int4_fused_moe(x, logits, *rank(start), 2, False, start, 32)
+    torch.testing.assert_close(part, expected, atol=1e-5, rtol=1e-5)
+    whole = part + int4_fused_moe(x, logits, *rank(2 - start), 2, False, 2 - start, 32, STEPS_32)
+    expected = native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, False, 0, 32)
+    torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, group", [(torch.float64, 32), (torch.float32, 24)], ids=str)
+def test_what_the_kernels_do_not_take_goes_to_the_reference(dtype, group, monkeypatch):
+    """float64 activations, and groups that are not a multiple of 16, run the reference."""
+    monkeypatch.setattr(moe, "_mixture", lambda *args: pytest.fail("the kernels ran"))
+    x, logits, w13, w2 = _inputs(3, hidden=48, inter=24, experts=3, dtype=dtype, group=group)
+    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group)
+    torch.testing.assert_close(got, native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group))
+
+
+def test_the_triton_op_table_offers_it_with_the_device_s_tiles():
+    from omnirun.kernels.triton.ops import triton_fused_ops
+
+    op = triton_fused_ops(device_name="NVIDIA H100 80GB HBM3")["int4_fused_moe"]
+    assert op.func is int4_fused_moe and op.keywords == {"tiles": DEFAULT}
