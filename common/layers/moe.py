@@ -135,7 +135,8 @@ class SparseMoE(nn.Module):
 
     def expert_target(self, expert: int, projection: str, param: str = "weight") -> ShardTarget | None:
         """Where one expert's checkpoint projection ("gate", "up" or "down") lands on this rank (None: the expert
-        lives on another rank): its `weight`, or the `weight_scale` of experts kept in fp8 (KeyError otherwise)."""
+        lives on another rank): its `weight`, the `weight_scale` of experts kept in fp8, or the `weight_packed`,
+        `weight_scale` and `weight_zero_point` of experts kept in int4 (KeyError otherwise)."""
         if self.int4 is not None:
             return self._int4_target(expert, projection, param)
         if param not in ("weight", "weight_scale") or (param == "weight_scale" and self.fp8 is None):

@@ -253,7 +253,8 @@ class DecoderModel(nn.Module):
 
 
 # An expert's projection in a checkpoint: Qwen's `mlp.experts.3.gate_proj.weight`, Mixtral's
-# `block_sparse_moe.experts.3.w1.weight` (read as `mlp.`); and its scales where the experts stay in fp8.
+# `block_sparse_moe.experts.3.w1.weight` (read as `mlp.`); its scales where the experts stay in fp8, its packed words,
+# scales and zero points where they stay in int4.
 _EXPERT = re.compile(
     r"(?P<moe>.+\.mlp)\.experts\.(?P<id>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<param>weight|weight_scale|weight_packed|weight_zero_point)"
 )
