@@ -194,6 +194,7 @@ def test_the_op_table_takes_every_kernel():
         "apply_penalties",
         "apply_token_bitmask",
         "fused_moe",
+        "int4_fused_moe",
         "int4_linear",
         "int4_linear_takes",
     }
