@@ -5,8 +5,9 @@ The weight is int32 [N, K / 8] (eight consecutive inputs a word, the lowest bits
 uint8 zero points [N, groups] over groups of GROUP consecutive inputs. By rows of x:
 - up to GEMV_MAX_ROWS rows (decode, `gemv`): each program reads [BLOCK_N, BLOCK_K / 8] words a step for one or
   two rows of x; each thread multiplies the nibbles of the words it holds by each row on the CUDA cores and keeps
-  the sums apart until the last step (sm90 SASS: about 4.3 instructions a weight at one row, against 10 where each
-  step reduced along K across threads; 6.1 at two rows, the nibbles unpacked once for both);
+  the sums apart until the last step (sm90 SASS without the JIT's divisibility hints: 5.2 instructions a weight at
+  one row, against 10.4 where each step reduced along K across threads; with them 4.3 at one row and 6.1 at two,
+  the nibbles unpacked once for both);
 - up to DEQUANTIZE_MIN_ROWS (`gemm`): tensor-core dots on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles, the weight
   tile unpacked once per BLOCK_M rows; a few rows make few output tiles, so K is split over programs too, each
   writing a float32 partial sum that one sum adds up (deterministic, no atomics);
