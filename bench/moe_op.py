@@ -8,12 +8,13 @@ decode step runs its layers. `--sweep` also times each path's candidate tiles an
 faster path per batch, and each path's fastest tiles, one bucket per swept batch size.
 
 `--fp8` also times `fp8_fused_moe` on the same experts quantized to fp8 in 128 x 128 blocks (as Qwen3-30B-A3B-FP8
-ships them), each path at the table's tiles (the decode path at its fp8 tiles, `fp8_decode`), against the floor of
-the fp8 bytes; with `--sweep` the fp8 decode tiles are swept too, and `--write-table` writes the fastest into
-`fp8_decode` (without `--fp8` it keeps the current table's).
+ships them), and `--int4` `int4_fused_moe` on them quantized to 4 bits in groups of 128 with zero points (as AWQ
+checkpoints hold them), each path at the table's tiles (the decode path at the format's tiles, `fp8_decode` /
+`int4_decode`), against the floor of the quantized bytes; with `--sweep` the format's decode tiles are swept too,
+and `--write-table` writes the fastest into the table (a format not timed keeps the current table's tiles).
 
     python bench/moe_op.py --device cuda --preset qwen3-30b-a3b --batch-sizes 1 4 16 64 256 \
-        --json bench/results/h100_moe_op.json [--sweep --write-table] [--fp8]
+        --json bench/results/h100_moe_op.json [--sweep --write-table] [--fp8] [--int4]
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import argparse
 import dataclasses
 import functools
 import json
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +36,7 @@ from omnirun.kernels.triton.moe_tiles import TABLES, DecodeBucket, GroupedBucket
 from omnirun.layers import native_ops
 from omnirun.loader.presets import preset_config
 from omnirun.models.architecture import decoder_shape
+from omnirun.quantization.int4 import pack_int4_rows
 from omnirun.registry import select_platform
 
 SLOT_TILES = {
@@ -64,21 +68,21 @@ def candidates(path: str, decode: DecodeBucket):
 
 def swept_table(rows: list[dict], experts: int, top_k: int) -> MoeTiles:
     """The launch table a sweep measured: the decode path up to the largest batch where it was faster (bf16's
-    crossover), and each swept batch's fastest tiles as a bucket bounded by its slots (the fp8 decode tiles where the
-    rows swept them)."""
+    crossover), and each swept batch's fastest tiles as a bucket bounded by its slots (the fp8 and int4 decode tiles
+    where the rows swept them)."""
 
     def fastest(row, prefix):
         times = {k: v for k, v in row.items() if k.startswith(prefix)}
         return tuple(int(n) for n in min(times, key=times.get).removeprefix(prefix).removesuffix("_ms").split("x"))
 
     decode_wins = [row["batch"] * top_k for row in rows if row["by_slot_ms"] < row["grouped_ms"]]
-    decode, fp8_decode = (
+    decode, fp8_decode, int4_decode = (
         tuple(
             DecodeBucket(row["batch"] * top_k, fastest(row, f"{prefix}gate_up_"), fastest(row, f"{prefix}down_"))
             for row in rows
             if any(k.startswith(f"{prefix}gate_up_") for k in row)
         )
-        for prefix in ("by_slot_", "fp8_by_slot_")
+        for prefix in ("by_slot_", "fp8_by_slot_", "int4_by_slot_")
     )
     grouped = tuple(
         GroupedBucket(-(-row["batch"] * top_k // experts), fastest(row, "grouped_tile_"))
@@ -86,7 +90,11 @@ def swept_table(rows: list[dict], experts: int, top_k: int) -> MoeTiles:
         if any(k.startswith("grouped_tile_") for k in row)
     )
     return MoeTiles(
-        max(decode_wins, default=0) / experts, _distinct(decode), _distinct(grouped), fp8_decode=_distinct(fp8_decode)
+        max(decode_wins, default=0) / experts,
+        _distinct(decode),
+        _distinct(grouped),
+        fp8_decode=_distinct(fp8_decode),
+        int4_decode=_distinct(int4_decode),
     )
 
 
@@ -124,38 +132,86 @@ def fp8_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, to
     return values, scale
 
 
-# With --sweep --fp8, the decode path's fp8 tiles also try these: one byte a weight reads half the bytes a step.
-FP8_SLOT_TILES = {"gate_up": [(4, 1024, 4), (8, 1024, 8)], "down": [(4, 1024, 4), (8, 512, 8)]}
+def int4_groups(weight: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked experts [E, N, K] (K whole groups) as an AWQ checkpoint holds them, in int4_fused_moe's layout: int32
+    words [E, N, K / 8], float32 scales (range / 15) and uint8 zero points [E, N, K / group]."""
+    experts, n, k = weight.shape
+    groups = weight.float().view(experts, n, k // group, group)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    zero = (-low / scale).round().clamp(0, 15)
+    q = (groups / scale[..., None] + zero[..., None]).round().clamp(0, 15).view(experts, n, k)
+    packed = torch.stack([pack_int4_rows(expert) for expert in q])
+    return packed, scale, zero.to(torch.uint8)
 
 
-def fp8_row(row, fp8s, x, logits, top_k, renormalize, table, floor_ms, platform, sweep) -> None:
-    """`fp8_fused_moe` on each path at the table's tiles (the decode path at its fp8 ones): its time, its error
-    against the reference on the dequantized experts, and the floor of the fp8 experts' bytes (`floor_ms`: one byte
-    a weight); with `sweep`, the decode path's candidate tiles too, one kernel varied at a time, the other at the
-    table's fp8 tile."""
-    (q13, s13), (q2, s2) = fp8s[0]
-    block = (128, 128)
-    expected = native_ops.fp8_fused_moe(x, logits, q13, s13, q2, s2, top_k, renormalize, 0, block).float()
-    row["fp8_floor_ms"] = floor_ms
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A quantized format of the experts: its op, its reference, the argument after the layer's tensors (fp8's block,
+    int4's group), its table key, the decode tiles a sweep tries beside SLOT_TILES, and its bytes a weight."""
+
+    name: str
+    op: Callable
+    reference: Callable
+    layout: Any
+    table_key: str
+    slot_tiles: dict[str, list[tuple[int, int, int]]]
+    bytes_per_weight: float
+
+
+QUANTIZED = {
+    # fp8: one byte a weight reads half the bytes a step; these tiles also tried
+    "fp8": Quantized(
+        "fp8",
+        moe.fp8_fused_moe,
+        native_ops.fp8_fused_moe,
+        (128, 128),
+        "fp8_decode",
+        {"gate_up": [(4, 1024, 4), (8, 1024, 8)], "down": [(4, 1024, 4), (8, 512, 8)]},
+        1.0,
+    ),  # fmt: skip
+    # int4: the GEMV's products want rows of 16 words or more a thread-step, as int4_linear's GEMV takes them
+    "int4": Quantized(
+        "int4",
+        moe.int4_fused_moe,
+        native_ops.int4_fused_moe,
+        128,
+        "int4_decode",
+        {
+            "gate_up": [(8, 1024, 4), (16, 1024, 4), (16, 2048, 8), (32, 1024, 8), (16, 512, 4), (32, 512, 4)],
+            "down": [(8, 256, 4), (16, 256, 4), (32, 256, 4), (16, 256, 8), (16, 512, 4), (8, 128, 4), (16, 128, 4)],
+        },
+        0.5 + 5 / 128,  # the words, and a float32 scale and a uint8 zero point a group of 128
+    ),  # fmt: skip
+}
+
+
+def quantized_row(fmt: Quantized, row, layers, x, logits, top_k, renormalize, table, floor_ms, platform, sweep):
+    """The format's op on each path at the table's tiles (the decode path at the format's): its time, its error
+    against the reference on the dequantized experts, and the floor of its bytes (`floor_ms`); with `sweep`, the
+    decode path's candidate tiles too, one kernel varied at a time, the other at the table's tile of the format."""
+    prefix = f"{fmt.name}_"
+    expected = fmt.reference(x, logits, *layers[0], top_k, renormalize, 0, fmt.layout).float()
+    row[f"{prefix}floor_ms"] = floor_ms
 
     def run(tiles):
-        for (q13, s13), (q2, s2) in fp8s:
-            moe.fp8_fused_moe(x, logits, q13, s13, q2, s2, top_k, renormalize, 0, block, tiles=tiles)
+        for layer in layers:
+            fmt.op(x, logits, *layer, top_k, renormalize, 0, fmt.layout, tiles=tiles)
 
     for path, forced in {"by_slot": float(x.shape[0] * top_k), "grouped": 0.0}.items():
         tiles = dataclasses.replace(table, decode_max_slots_per_expert=forced)
-        got = moe.fp8_fused_moe(x, logits, q13, s13, q2, s2, top_k, renormalize, 0, block, tiles=tiles).float()
-        row[f"fp8_{path}_max_error"] = (got - expected).abs().max().item()
-        row[f"fp8_{path}_ms"] = graph_ms(platform, functools.partial(run, tiles))
+        got = fmt.op(x, logits, *layers[0], top_k, renormalize, 0, fmt.layout, tiles=tiles).float()
+        row[f"{prefix}{path}_max_error"] = (got - expected).abs().max().item()
+        row[f"{prefix}{path}_ms"] = graph_ms(platform, functools.partial(run, tiles))
         if not sweep or path != "by_slot":
             continue
-        decode = tiles.slot_tiles(x.shape[0] * top_k, fp8=True)
+        decode = tiles.slot_tiles(x.shape[0] * top_k, fmt.name)
         fixed = {"gate_up": decode.gate_up, "down": decode.down}
         for kernel, tried in SLOT_TILES.items():
-            for tile in (*tried, *FP8_SLOT_TILES[kernel]):
+            for tile in dict.fromkeys((*tried, *fmt.slot_tiles[kernel])):
                 bucket = DecodeBucket(1 << 30, **{**fixed, kernel: tile})
-                varied = dataclasses.replace(tiles, fp8_decode=(bucket,))
-                name = f"fp8_by_slot_{kernel}_{'x'.join(map(str, tile))}_ms"
+                varied = dataclasses.replace(tiles, **{fmt.table_key: (bucket,)})
+                name = f"{prefix}by_slot_{kernel}_{'x'.join(map(str, tile))}_ms"
                 row[name] = graph_ms(platform, functools.partial(run, varied))
 
 
@@ -168,6 +224,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile of both paths")
     parser.add_argument("--sweep-slots-up-to", type=int, default=512, help="sweep the decode path's tiles this far")
     parser.add_argument("--fp8", action="store_true", help="also time fp8_fused_moe on fp8 experts (128 x 128 blocks)")
+    parser.add_argument("--int4", action="store_true", help="also time int4_fused_moe on int4 experts (groups of 128)")
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--write-table", action="store_true", help=f"with --sweep: write this device's table into {TABLES}"
@@ -184,7 +241,11 @@ def main() -> None:
     ]
     w2s = [torch.randn(E, H, inter, generator=gen, device=device, dtype=dtype) / inter**0.5 for _ in range(args.layers)]
     expert_bytes = (3 * inter * H) * dtype.itemsize
-    fp8s = [(fp8_blocks(w13), fp8_blocks(w2)) for w13, w2 in zip(w13s, w2s, strict=True)] if args.fp8 else []
+    formats = {}  # each timed format's experts: one tuple of the op's tensors a layer
+    if args.fp8:
+        formats["fp8"] = [(*fp8_blocks(w13), *fp8_blocks(w2)) for w13, w2 in zip(w13s, w2s, strict=True)]
+    if args.int4:
+        formats["int4"] = [(*int4_groups(w13), *int4_groups(w2)) for w13, w2 in zip(w13s, w2s, strict=True)]
     bandwidth = measure_bandwidth(platform, device)
     print(f"{args.preset}: {E} experts, top {top_k}, hidden {H}, expert intermediate {inter}, {args.layers} layers")
     print(f"copy bandwidth {bandwidth.copy_bytes_per_s / 1e9:.0f} GB/s on {platform.capabilities.device_name}")
@@ -223,9 +284,11 @@ def main() -> None:
                 row[f"{path}_{name}_{'x'.join(map(str, tile if path == 'grouped' else tile[name]))}_ms"] = graph_ms(
                     platform, functools.partial(run, varied)
                 )
-        if fp8s:
-            sweep, fp8_floor_ms = args.sweep and batch * top_k <= args.sweep_slots_up_to, floor_ms / dtype.itemsize
-            fp8_row(row, fp8s, x, logits, top_k, shape.moe.renormalize, table, fp8_floor_ms, platform, sweep)
+        for name, layers in formats.items():
+            fmt, sweep = QUANTIZED[name], args.sweep and batch * top_k <= args.sweep_slots_up_to
+            fmt_floor_ms = floor_ms * fmt.bytes_per_weight / dtype.itemsize
+            renormalize = shape.moe.renormalize
+            quantized_row(fmt, row, layers, x, logits, top_k, renormalize, table, fmt_floor_ms, platform, sweep)
         results.append(row)
         line = (
             f"bs={batch:4d} reached {reached:3d}: floor {floor_ms:7.3f} ms, matmul-only {row['matmul_only_ms']:7.3f}, "
@@ -235,15 +298,18 @@ def main() -> None:
             f"max error {row['by_slot_max_error']:.3g} / {row['grouped_max_error']:.3g}"
         )
         print(line, flush=True)
-        if fp8s:
+        for f in formats:
             print(
-                f"    fp8 experts: floor {row['fp8_floor_ms']:7.3f} ms, by_slot {row['fp8_by_slot_ms']:7.3f} "
-                f"({row['fp8_by_slot_ms'] / row['by_slot_ms']:.2f}x bf16), grouped {row['fp8_grouped_ms']:7.3f} "
-                f"({row['fp8_grouped_ms'] / row['grouped_ms']:.2f}x bf16); max error against the dequantized "
-                f"experts {row['fp8_by_slot_max_error']:.3g} / {row['fp8_grouped_max_error']:.3g}",
+                f"    {f} experts: floor {row[f'{f}_floor_ms']:7.3f} ms, by_slot {row[f'{f}_by_slot_ms']:7.3f} "
+                f"({row[f'{f}_by_slot_ms'] / row['by_slot_ms']:.2f}x bf16, "
+                f"{row[f'{f}_by_slot_ms'] / row[f'{f}_floor_ms']:.2f}x its floor), grouped "
+                f"{row[f'{f}_grouped_ms']:7.3f} ({row[f'{f}_grouped_ms'] / row['grouped_ms']:.2f}x bf16); max error "
+                f"against the dequantized experts {row[f'{f}_by_slot_max_error']:.3g} / "
+                f"{row[f'{f}_grouped_max_error']:.3g}",
                 flush=True,
             )
-        for group in ("by_slot_gate_up", "by_slot_down", "grouped_tile", "fp8_by_slot_gate_up", "fp8_by_slot_down"):
+        kernels = [f"{prefix}by_slot_{kernel}" for prefix in ("", "fp8_", "int4_") for kernel in ("gate_up", "down")]
+        for group in (*kernels, "grouped_tile"):
             tiles = {k: v for k, v in row.items() if k.startswith(f"{group}_")}
             if tiles:
                 best = min(tiles, key=tiles.get)
@@ -251,10 +317,11 @@ def main() -> None:
     if args.write_table:
         path = TABLES / table_name(platform.capabilities.device_name)
         swept = swept_table(results, E, top_k)
-        if not swept.fp8_decode:  # fp8 not swept (no --fp8): the current table's fp8 tiles stay
-            current = tiles_for(platform.capabilities.device_name)
-            swept = dataclasses.replace(swept, fp8_decode=current.fp8_decode)
-            print(f"fp8_decode kept from {current.source} (--fp8 sweeps it)")
+        current = tiles_for(platform.capabilities.device_name)
+        for fmt in QUANTIZED.values():
+            if not getattr(swept, fmt.table_key):  # not swept (no --fp8 / --int4): the current table's tiles stay
+                swept = dataclasses.replace(swept, **{fmt.table_key: getattr(current, fmt.table_key)})
+                print(f"{fmt.table_key} kept from {current.source} (--{fmt.name} sweeps it)")
         path.write_text(dumps(swept))
         print(f"wrote {path}")
     if args.json:

@@ -46,8 +46,8 @@ def test_a_table_without_fp8_decode_gives_fp8_the_decode_buckets():
     del h100["fp8_decode"]
     old = from_json(h100, "old.json")
     assert old.fp8_decode == ()
-    assert all(old.slot_tiles(slots, fp8=True) == old.slot_tiles(slots) for slots in (1, 8, 9, 128, 1000))
-    fp8_gate_up = [ACME.slot_tiles(slots, fp8=True).gate_up for slots in (1, 8, 9, 1000)]
+    assert all(old.slot_tiles(slots, "fp8") == old.slot_tiles(slots) for slots in (1, 8, 9, 128, 1000))
+    fp8_gate_up = [ACME.slot_tiles(slots, "fp8").gate_up for slots in (1, 8, 9, 1000)]
     assert fp8_gate_up == [(2, 64, 1), (2, 64, 1), (4, 128, 2), (4, 128, 2)]
     assert ACME.slot_tiles(8).gate_up == (16, 256, 4)  # bf16 experts: `decode`'s
 
@@ -57,8 +57,8 @@ def test_the_h100_table_and_default_hold_the_swept_fp8_tiles():
     8 x 256; bf16 experts keep the decode tiles."""
     stored = tiles_for("NVIDIA H100 80GB HBM3")
     assert stored == DEFAULT
-    assert DEFAULT.slot_tiles(8, fp8=True) == DecodeBucket(8, (2, 1024, 4), (4, 1024, 4))
-    assert DEFAULT.slot_tiles(32, fp8=True) == DecodeBucket(128, (2, 1024, 4), (8, 256, 4))
+    assert DEFAULT.slot_tiles(8, "fp8") == DecodeBucket(8, (2, 1024, 4), (4, 1024, 4))
+    assert DEFAULT.slot_tiles(32, "fp8") == DecodeBucket(128, (2, 1024, 4), (8, 256, 4))
     assert DEFAULT.slot_tiles(8) == DecodeBucket(8, (4, 512, 4), (4, 512, 4))
 
 

@@ -4,6 +4,9 @@ kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -11,22 +14,33 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'omni
 
 from omnirun.kernels.triton import moe  # noqa: E402
 from omnirun.kernels.triton.moe import int4_fused_moe  # noqa: E402
-from omnirun.kernels.triton.moe_tiles import DEFAULT, DecodeBucket, GroupedBucket, MoeTiles  # noqa: E402
+from omnirun.kernels.triton.moe_tiles import (  # noqa: E402
+    DEFAULT,
+    DecodeBucket,
+    GroupedBucket,
+    MoeTiles,
+    dumps,
+    from_json,
+    table_name,
+    tiles_for,
+    to_json,
+)
 from omnirun.layers import native_ops  # noqa: E402
 from omnirun.quantization.int4 import pack_int4_rows  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (the triton_device fixture)
 
+
 # K steps of 32 on both paths (groups of 32: one a step; of 128 and -1: spanning steps; of 48: neither, the step
 # drops to 16), or of 128 (holding several groups of 32, or of -1's over a shorter K). N tiles of 64: few programs
 # for the interpreter.
-STEPS_32 = MoeTiles(
-    1, (DecodeBucket(1 << 30, (64, 32, 4), (64, 32, 4)),), (GroupedBucket(1 << 30, (16, 64, 32, 4, 1)),)
-)
-STEPS_128 = MoeTiles(
-    1, (DecodeBucket(1 << 30, (64, 128, 4), (64, 128, 4)),), (GroupedBucket(1 << 30, (16, 64, 128, 4, 1)),)
-)
+def _steps(block_k: int) -> MoeTiles:
+    decode = (DecodeBucket(1 << 30, (64, block_k, 4), (64, block_k, 4)),)
+    return MoeTiles(1, decode, (GroupedBucket(1 << 30, (16, 64, block_k, 4, 1)),), int4_decode=decode)
+
+
+STEPS_32, STEPS_128 = _steps(32), _steps(128)
 
 
 def _int4_experts(experts: int, rows: int, cols: int, group: int, seed: int):
@@ -76,8 +90,9 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
         (5, torch.bfloat16, -1, 40, 48, STEPS_32),
         (5, torch.float16, -1, 72, 48, STEPS_128),
         (5, torch.bfloat16, 48, 104, 48, STEPS_32),
+        (5, torch.float32, 32, 64, 64, STEPS_32),  # whole steps: no mask along K
     ],
-    ids=["fp32-g32", "bf16-g32-wide", "bf16-g128", "bf16-whole", "fp16-whole-wide", "bf16-g48"],
+    ids=["fp32-g32", "bf16-g32-wide", "bf16-g128", "bf16-whole", "fp16-whole-wide", "bf16-g48", "fp32-even"],
 )
 def test_int4_experts_equal_the_reference(tokens, dtype, group, hidden, inter, tiles, path):
     x, logits, w13, w2 = _inputs(tokens, hidden, inter, experts=5, dtype=dtype, group=group)
@@ -118,4 +133,65 @@ def test_the_triton_op_table_offers_it_with_the_device_s_tiles():
     from omnirun.kernels.triton.ops import triton_fused_ops
 
     op = triton_fused_ops(device_name="NVIDIA H100 80GB HBM3")["int4_fused_moe"]
-    assert op.func is int4_fused_moe and op.keywords == {"tiles": DEFAULT}
+    assert op.func is int4_fused_moe and op.keywords == {"tiles": tiles_for("NVIDIA H100 80GB HBM3")}
+
+
+def test_int4_decode_tiles_round_trip_through_the_table_file_and_default_where_absent(tmp_path):
+    """A table's `int4_decode` buckets are read and written with it; a table without them gives int4 experts
+    DEFAULT's int4 buckets (their own kernels), never `decode`'s (bf16's kernels' tiles)."""
+    acme = dataclasses.replace(STEPS_32, int4_decode=(DecodeBucket(8, (8, 64, 2), (4, 32, 1)), STEPS_128.decode[0]))
+    (tmp_path / table_name("Acme X1")).write_text(dumps(acme))
+    assert tiles_for("Acme X1", tmp_path) == acme
+    assert [acme.slot_tiles(slots, "int4").gate_up for slots in (1, 8, 9)] == [(8, 64, 2), (8, 64, 2), (64, 128, 4)]
+    without = dataclasses.replace(acme, int4_decode=())
+    assert "int4_decode" not in to_json(without) and from_json(json.loads(dumps(without)), "x") == without
+    assert without.slot_tiles(8, "int4") == DEFAULT.slot_tiles(8, "int4") != without.slot_tiles(8)
+
+
+@pytest.mark.parametrize(
+    "change, complaint",
+    [
+        (lambda t: t["int4_decode"][0].update(down=[16, 0, 4]), "3 positive integers"),
+        (lambda t: t.update(int4_decode=[]), "at least one bucket"),
+        (lambda t: t["int4_decode"].insert(0, dict(t["int4_decode"][0])), "int4_decode buckets' max_slots must ascend"),
+    ],
+)
+def test_a_malformed_int4_decode_is_refused_in_one_line(tmp_path, change, complaint):
+    table = json.loads(dumps(STEPS_32))
+    change(table)
+    path = tmp_path / table_name("Broken")
+    path.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match=complaint) as error:
+        tiles_for("Broken", tmp_path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("group, block_k", [(32, 64), (48, 16), (-1, 64)])
+def test_int4_experts_launch_their_decode_kernels_at_the_table_s_tiles(group, block_k, monkeypatch):
+    """The decode path on int4 experts launches the int4 kernels (int4_linear's GEMV products) at the table's
+    `int4_decode` tiles, each K step lowered to lie in one group or hold whole ones (groups of 48: 16), never the
+    bf16 kernels; and equals the reference."""
+    launched = []
+
+    def recording(name):
+        kernel = getattr(moe, name)
+
+        class Launches:
+            def __getitem__(self, grid):
+                def launch(*args, **constexprs):
+                    launched.append((name, constexprs["BLOCK_N"], constexprs["BLOCK_K"], constexprs["num_warps"]))
+                    return kernel[grid](*args, **constexprs)
+
+                return launch
+
+        return Launches()
+
+    for name in ("_slot_gate_up_int4_kernel", "_token_down_int4_kernel", "_slot_gate_up_kernel", "_token_down_kernel"):
+        monkeypatch.setattr(moe, name, recording(name))
+    tiles = dataclasses.replace(STEPS_32, int4_decode=(DecodeBucket(1 << 30, (16, 64, 2), (32, 64, 1)),))
+    x, logits, w13, w2 = _inputs(1, hidden=96, inter=48, experts=4, dtype=torch.float32, group=group)
+    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles)
+    torch.testing.assert_close(
+        got, native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group), atol=1e-5, rtol=1e-5
+    )
+    assert launched == [("_slot_gate_up_int4_kernel", 16, block_k, 2), ("_token_down_int4_kernel", 32, block_k, 1)]

@@ -59,6 +59,26 @@ def _16bit_nibbles(q, dtype: tl.constexpr, magic: tl.constexpr):
 
 
 @triton.jit
+def _dot_nibbles(x, words, zero, MAGIC_16: tl.constexpr):
+    """x [BM, BK] times the transposed (q - zero) [BN, BK] of `words` [BN, BK / 8] (input 8c + j in word c's nibble j)
+    and the zero points [BN] (int32) of one group, on the tensor cores, in float32; q - zero is exact in x's dtype
+    (`_16bit_nibbles`, MAGIC_16 x's magic as bits; float32's for float32 x)."""
+    BLOCK_N: tl.constexpr = words.shape[0]
+    BLOCK_K: tl.constexpr = words.shape[1] * 8
+    q = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+    dtype: tl.constexpr = x.dtype
+    if dtype == tl.float32 or (INTERPRETED and dtype == tl.bfloat16):  # the interpreter's bf16 bitcasts are wrong
+        w = _float32_nibbles(q, zero[:, None])
+    else:
+        w = _16bit_nibbles(q, dtype, MAGIC_16) - _16bit_nibbles(zero, dtype, MAGIC_16)[:, None]
+    if INTERPRETED:  # the interpreter's dot multiplies 16-bit floats' raw bits: give it float32
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+    if dtype == tl.float32:
+        return tl.dot(x, tl.trans(w), input_precision="ieee")
+    return tl.dot(x, tl.trans(w))
+
+
+@triton.jit
 def _int4_kernel(
     x_ptr,
     w_ptr,
@@ -91,7 +111,6 @@ def _int4_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = offs_n.to(tl.int64) * stride_sn
@@ -100,23 +119,12 @@ def _int4_kernel(
         words = tl.load(
             w_rows + (k0 // 8 + offs_w)[None, :], mask=n_mask[:, None] & (k0 + offs_w * 8 < K)[None, :], other=0
         )  # [BN, BK / 8] int32
-        q = (words[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK / 8, 8]: input 8c + j at [:, c, j]
         kk = k0 + offs_k
         x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
         # one group per step: dot with q - z, then scale the [BM, BN] partial product
         s = tl.load(s_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0.0)
         z = tl.load(z_ptr + s_rows + k0 // GROUP, mask=n_mask, other=0).to(tl.int32)
-        q = tl.reshape(q, (BLOCK_N, BLOCK_K))
-        dtype: tl.constexpr = x_ptr.dtype.element_ty
-        if INTERPRETED and dtype == tl.bfloat16:  # the interpreter's bfloat16 bitcasts are wrong: float32
-            w = _float32_nibbles(q, z[:, None])
-        else:
-            w = _16bit_nibbles(q, dtype, MAGIC_16) - _16bit_nibbles(z, dtype, MAGIC_16)[:, None]  # q - z, exact
-        if INTERPRETED:  # the interpreter's dot multiplies 16-bit floats' raw bits: give it float32
-            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-        else:
-            part = tl.dot(x, tl.trans(w))
-        acc += part * s[None, :]
+        acc += _dot_nibbles(x, words, z, MAGIC_16) * s[None, :]
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -166,6 +174,27 @@ def _row_part(words, x_row, s, z, nibble_mask, GROUPS: tl.constexpr, SPAN: tl.co
 
 
 @triton.jit
+def _int4_step(w_ptr, s_ptr, z_ptr, rows, row_mask, k0, K, stride_wn, stride_sn, GROUP: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """A K step's operands of the GEMV's products: the words [BLOCK_N, BLOCK_K / 8] of `rows` at inputs k0.. (w_ptr
+    [N, K / 8] of row stride stride_wn), and their groups' scales and zero points [BLOCK_N, GROUPS] in float32 (s_ptr
+    and z_ptr [N, groups] of row stride stride_sn). Masked words are 0, masked groups' scales 0."""
+    SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # inputs of one group within a step
+    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    if EVEN_K:
+        words = tl.load(w_rows + word[None, :], mask=row_mask[:, None], other=0)
+    else:
+        words = tl.load(w_rows + word[None, :], mask=row_mask[:, None] & (word * 8 < K)[None, :], other=0)
+    g = (k0 + tl.arange(0, BLOCK_K // SPAN) * SPAN) // GROUP
+    g_mask = row_mask[:, None] & (g * GROUP < K)[None, :]
+    s_rows = rows[:, None].to(tl.int64) * stride_sn
+    s = tl.load(s_ptr + s_rows + g[None, :], mask=g_mask, other=0.0)
+    z = tl.load(z_ptr + s_rows + g[None, :], mask=g_mask, other=0).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
 def _load_row(x_ptr, row, M, stride_xm, kk, K, EVEN_K: tl.constexpr):
     """Row `row` of x at inputs kk [WORDS, 8] as float32; rows past M read row M - 1 (their sums are not stored)."""
     x_row = x_ptr + tl.minimum(row, M - 1).to(tl.int64) * stride_xm
@@ -212,23 +241,14 @@ def _int4_gemv_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    s_rows = offs_n[:, None].to(tl.int64) * stride_sn
     if ROWS == 1:
         acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8, 2], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        word = k0 // 8 + offs_w
-        kk = word[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WORDS, 8]: input 8c + j of word c
-        if EVEN_K:
-            words = tl.load(w_rows + word[None, :], mask=n_mask[:, None], other=0)
-        else:
-            words = tl.load(w_rows + word[None, :], mask=n_mask[:, None] & (word * 8 < K)[None, :], other=0)
-        g = (k0 + tl.arange(0, GROUPS) * SPAN) // GROUP
-        g_mask = n_mask[:, None] & (g * GROUP < K)[None, :]
-        s = tl.load(s_ptr + s_rows + g[None, :], mask=g_mask, other=0.0)  # [BLOCK_N, GROUPS]
-        z = tl.load(z_ptr + s_rows + g[None, :], mask=g_mask, other=0).to(tl.float32)
+        kk = (k0 // 8 + offs_w)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WORDS, 8]: input 8c + j of word c
+        words, s, z = _int4_step(w_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn, GROUP, BLOCK_K,
+                                 EVEN_K)  # fmt: skip
         x0 = _load_row(x_ptr, row0, M, stride_xm, kk, K, EVEN_K)
         part = _row_part(words, x0, s, z, nibble_mask, GROUPS, SPAN)
         if ROWS == 2:

@@ -17,8 +17,13 @@ index winning ties, renormalisation), computed as HF's routers compute it.
 Experts kept in fp8 (`fp8_fused_moe`) take the same kernels: each fp8 tile is widened in registers and multiplied by
 its per-row or block scales (`_widened`), so a step reads half the bytes of bf16's; the activations stay unquantized.
 Experts kept in 4 bits (`int4_fused_moe`, AWQ/GPTQ checkpoints: eight inputs an int32 word, a scale and a zero point
-per row and group of inputs) take them too: each step's words are unpacked and dequantized in registers
-(`_int4_tile`), a quarter of bf16's bytes.
+per row and group of inputs) read a quarter of bf16's bytes, with int4_linear's arithmetic. The grouped GEMMs take
+int4_linear's GEMM step (`_dot_nibbles`: a step lies in one group, the dot takes q - z exactly in x's dtype and the
+group's scale multiplies the step's product). The decode path has kernels of its own (`_slot_gate_up_int4_kernel`,
+`_token_down_int4_kernel`) with its one-row GEMV products: each thread multiplies the nibbles of the words it holds
+in place and sums them by word. sm90 SASS a weight in their loops: 4.0 instructions (gate|up, 16 x 1,024), 6.1
+(down, 16 x 256); the first version, which dequantized each tile in float32 (q - z) x s for the shared kernels, ran
+15.8 and 17.8 on the decode path (4 x 512) and 25 in the grouped GEMMs (16 x 64 x 128, with spills).
 
 Importing this module imports triton; the capability gate (omnirun.kernels) offers it only where triton runs.
 """
@@ -32,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from omnirun.kernels.triton.int4_linear import _float32_nibbles
+from omnirun.kernels.triton.int4_linear import _MAGIC_16, _dot_nibbles, _int4_step, _load_row, _row_part, k_step
 from omnirun.kernels.triton.modes import INTERPRETED
 from omnirun.kernels.triton.moe_tiles import DEFAULT, MoeTiles
 
@@ -70,43 +75,6 @@ def _widened(
     return w
 
 
-@triton.jit
-def _int4_tile(
-    w_ptr,
-    s_ptr,
-    z_ptr,
-    rows,
-    row_mask,
-    k0,
-    K,
-    stride_wn,
-    stride_sn,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr,  # inputs per scale: a multiple or a divisor of BLOCK_K
-):
-    """The weight tile [BLOCK_N, BLOCK_K] (its `rows`, columns k0..) of a 4-bit expert in float32, (q - z) x s:
-    `w_ptr` the expert's words [N, K / 8] (inputs 8c..8c+7 in word c, the lowest bits first), `s_ptr` / `z_ptr` its
-    scales and zero points [N, groups] (both of row stride `stride_sn`)."""
-    SPAN: tl.constexpr = min(GROUP, BLOCK_K)  # columns of the tile sharing a scale
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    words = tl.load(
-        w_ptr + rows[:, None].to(tl.int64) * stride_wn + (k0 // 8 + offs_w)[None, :],
-        mask=row_mask[:, None] & (k0 + offs_w * 8 < K)[None, :],
-        other=0,
-    )
-    q = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
-    group = (k0 + tl.arange(0, BLOCK_K // SPAN) * SPAN) // GROUP
-    at = rows[:, None].to(tl.int64) * stride_sn + group[None, :]
-    mask = row_mask[:, None] & (group < tl.cdiv(K, GROUP))[None, :]
-    s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + at, mask=mask, other=0).to(tl.int32)
-    # q - z exactly, with no int -> float conversion (see _float32_nibbles). Columns past K hold q = 0 (masked words)
-    # but their group's zero point: finite values that meet the masked activations' zeros.
-    w = _float32_nibbles(tl.reshape(q, (BLOCK_N, BLOCK_K // SPAN, SPAN)), z[:, :, None]) * s[:, :, None]
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-
 @triton.jit(do_not_specialize=["num_slots"])
 def _grouped_gemm_kernel(
     a_ptr,
@@ -135,7 +103,8 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
     SCALE_COLS: tl.constexpr = 0,
-    INT4_GROUP: tl.constexpr = 0,  # int4 weights (b: their words): inputs per scale (see _int4_tile); 0: others
+    INT4_GROUP: tl.constexpr = 0,  # int4 weights (b: their words [E, N, K / 8]): inputs per scale; 0: others
+    MAGIC_16: tl.constexpr = 0,  # int4: int4_linear's magic number of a's dtype (16-bit), as bits
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -153,31 +122,40 @@ def _grouped_gemm_kernel(
             mask=valid[:, None] & (offs_k[None, :] < K),
             other=0.0,
         )
-        if INT4_GROUP > 0:  # int4: dequantized in registers, then rounded to a's dtype as at load
-            w = _int4_tile(b_ptr + expert * stride_be, s_ptr + expert * stride_se, z_ptr + expert * stride_se, offs_n,
-                           offs_n < N, k0, K, stride_bn, stride_sn, BLOCK_N, BLOCK_K, INT4_GROUP)  # fmt: skip
-            b = tl.trans(w.to(a_ptr.dtype.element_ty))
-        elif SCALE_ROWS > 0:  # fp8: widened and scaled in registers, then rounded to a's dtype as at load
-            w = tl.load(
-                b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :],
-                mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
-                other=0.0,
+        if INT4_GROUP > 0:  # int4: a step lies in one group: the dot takes q - z exactly, the scale its product
+            n_mask = offs_n < N
+            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(
+                b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_w[None, :],
+                mask=n_mask[:, None] & (offs_w * 8 < K)[None, :],
+                other=0,
             )
-            scaled = _widened(w, s_ptr + expert * stride_se, offs_n, offs_n < N, k0, K, stride_sn, BLOCK_N, BLOCK_K,
-                              SCALE_ROWS, SCALE_COLS)  # fmt: skip
-            b = tl.trans(scaled.to(a_ptr.dtype.element_ty))
+            at = expert * stride_se + offs_n.to(tl.int64) * stride_sn + k0 // INT4_GROUP
+            s = tl.load(s_ptr + at, mask=n_mask, other=0.0)
+            z = tl.load(z_ptr + at, mask=n_mask, other=0).to(tl.int32)
+            acc += _dot_nibbles(a, words, z, MAGIC_16) * s[None, :]
         else:
-            b = tl.load(
-                b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None],
-                mask=(offs_n[None, :] < N) & (offs_k[:, None] < K),
-                other=0.0,
-            )
-        if INTERPRETED:  # the interpreter's dot multiplies 16-bit floats' raw bits: give it float32
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+            if SCALE_ROWS > 0:  # fp8: widened and scaled in registers, then rounded to a's dtype as at load
+                w = tl.load(
+                    b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :],
+                    mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+                    other=0.0,
+                )
+                scaled = _widened(w, s_ptr + expert * stride_se, offs_n, offs_n < N, k0, K, stride_sn, BLOCK_N,
+                                  BLOCK_K, SCALE_ROWS, SCALE_COLS)  # fmt: skip
+                b = tl.trans(scaled.to(a_ptr.dtype.element_ty))
+            else:
+                b = tl.load(
+                    b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None],
+                    mask=(offs_n[None, :] < N) & (offs_k[:, None] < K),
+                    other=0.0,
+                )
+            if INTERPRETED:  # the interpreter's dot multiplies 16-bit floats' raw bits: give it float32
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
     if MUL_WEIGHTS:
         acc *= tl.load(weights_ptr + slots, mask=valid, other=0.0)[:, None]
     out = c_ptr + slots[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -253,13 +231,11 @@ def _slot_gate_up_kernel(
     s_ptr,
     stride_se,
     stride_sn,
-    z_ptr,  # int4 weights' zero points (as the scales); None for others
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
     SCALE_COLS: tl.constexpr = 0,
-    INT4_GROUP: tl.constexpr = 0,  # int4 weights (their words): inputs per scale (see _int4_tile); 0: others
 ):
     """act[slot, n] = silu(gate) * up of the slot's token through its expert's rows n and inter + n, in float32."""
     slot = tl.program_id(0).to(tl.int64)
@@ -275,20 +251,13 @@ def _slot_gate_up_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
         n_mask = offs_n < inter
-        if INT4_GROUP > 0:
-            words, scales, zeros = w13_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
-            gate += _int4_tile(words, scales, zeros, offs_n, n_mask, k0, K, stride_wn, stride_sn, BLOCK_N, BLOCK_K,
-                               INT4_GROUP) * x  # fmt: skip
-            up += _int4_tile(words, scales, zeros, offs_n + inter, n_mask, k0, K, stride_wn, stride_sn, BLOCK_N,
-                             BLOCK_K, INT4_GROUP) * x  # fmt: skip
-        else:
-            mask = n_mask[:, None] & (offs_k[None, :] < K)
-            g = tl.load(rows + offs_k[None, :], mask=mask, other=0.0)
-            u = tl.load(rows + inter * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-            scales = s_ptr + expert * stride_se
-            gate += _widened(g, scales, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS) * x
-            up += _widened(u, scales, offs_n + inter, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS,
-                           SCALE_COLS) * x  # fmt: skip
+        mask = n_mask[:, None] & (offs_k[None, :] < K)
+        g = tl.load(rows + offs_k[None, :], mask=mask, other=0.0)
+        u = tl.load(rows + inter * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+        scales = s_ptr + expert * stride_se
+        gate += _widened(g, scales, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS) * x
+        up += _widened(u, scales, offs_n + inter, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS,
+                       SCALE_COLS) * x  # fmt: skip
     g, u = tl.sum(gate, 1), tl.sum(up, 1)
     tl.store(act_ptr + slot * inter + offs_n, g * tl.sigmoid(g) * u, mask=offs_n < inter)
 
@@ -310,13 +279,11 @@ def _token_down_kernel(
     s_ptr,
     stride_se,
     stride_sn,
-    z_ptr,  # int4 weights' zero points (as the scales); None for others
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
     SCALE_COLS: tl.constexpr = 0,
-    INT4_GROUP: tl.constexpr = 0,  # int4 weights (their words): inputs per scale (see _int4_tile); 0: others
 ):
     """out[token, n] = sum over the token's slots of weight * (w2[expert] row n . act[slot]), in float32."""
     token = tl.program_id(0).to(tl.int64)
@@ -332,16 +299,112 @@ def _token_down_kernel(
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(act_ptr + slot * K + offs_k, mask=offs_k < K, other=0.0) * weight
                 n_mask = offs_n < N
-                if INT4_GROUP > 0:
-                    scales, zeros = s_ptr + expert * stride_se, z_ptr + expert * stride_se
-                    w = _int4_tile(w2_ptr + expert * stride_we, scales, zeros, offs_n, n_mask, k0, K, stride_wn,
-                                   stride_sn, BLOCK_N, BLOCK_K, INT4_GROUP)  # fmt: skip
-                    acc += w * a[None, :]
-                else:
-                    w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-                    acc += _widened(w, s_ptr + expert * stride_se, offs_n, n_mask, k0, K, stride_sn, BLOCK_N,
-                                    BLOCK_K, SCALE_ROWS, SCALE_COLS) * a[None, :]  # fmt: skip
+                w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+                acc += _widened(w, s_ptr + expert * stride_se, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K,
+                                SCALE_ROWS, SCALE_COLS) * a[None, :]  # fmt: skip
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _slot_gate_up_int4_kernel(
+    x_ptr,
+    w13_ptr,
+    s_ptr,
+    z_ptr,
+    ids_ptr,
+    act_ptr,
+    expert_start,
+    num_local,
+    tokens,
+    inter,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    nibble_mask,  # 0xF (see int4_linear's GEMV)
+    TOP_K: tl.constexpr,
+    GROUP: tl.constexpr,  # inputs per scale: a multiple of 8 that divides BLOCK_K or is a multiple of it
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """_slot_gate_up_kernel on experts kept in 4 bits: the products of int4_linear's one-row GEMV (each thread sums
+    the eight products of each word it holds, scaled by its group's, and the threads' sums meet after the last
+    step), for the gate rows and the up rows of the slot's expert."""
+    SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
+    GROUPS: tl.constexpr = BLOCK_K // SPAN
+    slot = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + slot) - expert_start
+    if (expert < 0) | (expert >= num_local):  # another rank's expert: its down projection skips the slot too
+        return
+    words_ptr, scales, zeros = w13_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    gate = tl.zeros([BLOCK_N, GROUPS, SPAN // 8], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, GROUPS, SPAN // 8], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * 8 + tl.arange(0, 8)[None, :]
+        x = _load_row(x_ptr, slot // TOP_K, tokens, stride_xm, kk, K, EVEN_K)
+        words, s, z = _int4_step(words_ptr, scales, zeros, offs_n, n_mask, k0, K, stride_wn, stride_sn, GROUP,
+                                 BLOCK_K, EVEN_K)  # fmt: skip
+        gate += _row_part(words, x, s, z, nibble_mask, GROUPS, SPAN)
+        words, s, z = _int4_step(words_ptr, scales, zeros, offs_n + inter, n_mask, k0, K, stride_wn, stride_sn, GROUP,
+                                 BLOCK_K, EVEN_K)  # fmt: skip
+        up += _row_part(words, x, s, z, nibble_mask, GROUPS, SPAN)
+    g, u = tl.sum(tl.sum(gate, axis=2), axis=1), tl.sum(tl.sum(up, axis=2), axis=1)
+    tl.store(act_ptr + slot * inter + offs_n, g * tl.sigmoid(g) * u, mask=n_mask)
+
+
+@triton.jit
+def _token_down_int4_kernel(
+    act_ptr,
+    w2_ptr,
+    s_ptr,
+    z_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    expert_start,
+    num_local,
+    N,
+    K,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    nibble_mask,  # 0xF (see int4_linear's GEMV)
+    TOP_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """_token_down_kernel on experts kept in 4 bits, with the one-row GEMV's products (see
+    _slot_gate_up_int4_kernel): each slot's activations times its routing weight through its expert's rows."""
+    SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K
+    GROUPS: tl.constexpr = BLOCK_K // SPAN
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_N, GROUPS, SPAN // 8], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = token * TOP_K + k
+        expert = tl.load(ids_ptr + slot) - expert_start
+        if (expert >= 0) & (expert < num_local):
+            weight = tl.load(weights_ptr + slot)
+            words_ptr = w2_ptr + expert * stride_we
+            scales, zeros = s_ptr + expert * stride_se, z_ptr + expert * stride_se
+            for k0 in range(0, K, BLOCK_K):
+                kk = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * 8 + tl.arange(0, 8)[None, :]
+                a = _load_row(act_ptr, slot, slot + 1, K, kk, K, EVEN_K) * weight
+                words, s, z = _int4_step(words_ptr, scales, zeros, offs_n, n_mask, k0, K, stride_wn, stride_sn, GROUP,
+                                         BLOCK_K, EVEN_K)  # fmt: skip
+                acc += _row_part(words, a, s, z, nibble_mask, GROUPS, SPAN)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,12 +441,10 @@ class _Scales:
         return weight.shape[2] * 8 if self.group else weight.shape[2]
 
     def block_k(self, block_k: int) -> int:
-        """The K step of a tile for this weight: an int4 step must lie in one group or hold whole ones, so a tile's
-        that does neither is lowered to the largest power of two dividing the group (int4_fused_moe takes groups of
+        """The grouped GEMMs' K step for this weight: an int4 step must lie in one group (its scale multiplies the
+        step's product), so a longer one is halved until it divides the group (int4_fused_moe takes groups of
         multiples of 16 only: tl.dot's least K)."""
-        if self.group and self.group % block_k and block_k % self.group:
-            return self.group & -self.group
-        return block_k
+        return k_step(self.group, block_k) if self.group else block_k
 
     def args(self, weight: torch.Tensor) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
         """(pointer, stride per expert, stride per row of blocks, int4 zero points or None); a plain weight passes
@@ -393,8 +454,11 @@ class _Scales:
         stride_sn = self.tensor.stride(1) if self.tensor.dim() == 3 else 0
         return self.tensor, self.tensor.stride(0), stride_sn, self.zeros
 
-    def constexprs(self) -> dict[str, int]:
-        return {"SCALE_ROWS": self.rows, "SCALE_COLS": self.cols, "INT4_GROUP": self.group}
+    def constexprs(self, dtype: torch.dtype) -> dict[str, int]:
+        """The grouped GEMM's constexprs for this weight and activations of `dtype`."""
+        if self.group:
+            return {"INT4_GROUP": self.group, "MAGIC_16": _MAGIC_16.get(dtype, 0)}
+        return {"SCALE_ROWS": self.rows, "SCALE_COLS": self.cols}
 
 
 PLAIN = _Scales(None)
@@ -403,23 +467,53 @@ PLAIN = _Scales(None)
 def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTiles, s13=PLAIN, s2=PLAIN):
     """The decode path: a GEMV per slot for gate|up and the activation, then one per token for the weighted down
     projections, with no sort; another rank's slots are skipped, not multiplied by zero. fp8 experts (scales given)
-    take the table's fp8 tiles (`fp8_decode`, else `decode`'s), int4 experts `decode`'s."""
+    take the table's fp8 tiles (`fp8_decode`, else `decode`'s); int4 experts their own kernels and tiles
+    (`int4_decode`, else DEFAULT's)."""
+    if s13.group:
+        return _int4_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles, s13, s2)
     tokens, hidden = x.shape
-    local, inter = w13.shape[0], s2.inputs(w2)
+    local, inter = w13.shape[0], w2.shape[2]
     act = torch.empty(tokens * top_k, inter, dtype=torch.float32, device=x.device)
-    bucket = tiles.slot_tiles(tokens * top_k, fp8=s13.fp8)
+    bucket = tiles.slot_tiles(tokens * top_k, "fp8" if s13.fp8 else "plain")
     block_n, block_k, num_warps = bucket.gate_up
+    scale, stride_se, stride_sn, _ = s13.args(w13)
     _slot_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
         x, w13, experts, act, expert_start, local, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        *s13.args(w13), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=s13.block_k(block_k), num_warps=num_warps,
-        **s13.constexprs(),
+        scale, stride_se, stride_sn, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_ROWS=s13.rows,
+        SCALE_COLS=s13.cols, num_warps=num_warps,
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k, num_warps = bucket.down
+    scale, stride_se, stride_sn, _ = s2.args(w2)
     _token_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
         act, w2, experts, weights, out, expert_start, local, hidden, inter, w2.stride(0), w2.stride(1),
-        out.stride(0), *s2.args(w2), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=s2.block_k(block_k), num_warps=num_warps,
-        **s2.constexprs(),
+        out.stride(0), scale, stride_se, stride_sn, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        SCALE_ROWS=s2.rows, SCALE_COLS=s2.cols, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def _int4_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTiles, s13, s2):
+    """The decode path on experts kept in 4 bits (int4_linear's GEMV products), each K step lowered to fit the
+    groups (int4_linear.k_step)."""
+    tokens, hidden = x.shape
+    local, inter = w13.shape[0], s2.inputs(w2)
+    act = torch.empty(tokens * top_k, inter, dtype=torch.float32, device=x.device)
+    bucket = tiles.slot_tiles(tokens * top_k, "int4")
+    block_n, block_k, num_warps = bucket.gate_up
+    block_k = k_step(s13.group, block_k, rows=1)
+    _slot_gate_up_int4_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
+        x, w13, s13.tensor, s13.zeros, experts, act, expert_start, local, tokens, inter, hidden, x.stride(0),
+        w13.stride(0), w13.stride(1), s13.tensor.stride(0), s13.tensor.stride(1), 0xF, TOP_K=top_k, GROUP=s13.group,
+        EVEN_K=hidden % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    out = torch.empty_like(x)
+    block_n, block_k, num_warps = bucket.down
+    block_k = k_step(s2.group, block_k, rows=1)
+    _token_down_int4_kernel[(tokens, triton.cdiv(hidden, block_n))](
+        act, w2, s2.tensor, s2.zeros, experts, weights, out, expert_start, local, hidden, inter, w2.stride(0),
+        w2.stride(1), s2.tensor.stride(0), s2.tensor.stride(1), out.stride(0), 0xF, TOP_K=top_k, GROUP=s2.group,
+        EVEN_K=inter % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -484,7 +578,7 @@ def _grouped_gemm(
         BLOCK_K=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
-        **scales.constexprs(),
+        **scales.constexprs(a.dtype),
     )
     return out
 
@@ -554,10 +648,10 @@ def int4_fused_moe(
     tiles: MoeTiles = DEFAULT,
 ) -> torch.Tensor:
     """See omnirun.layers.native_ops.int4_fused_moe (the reference; Ops.int4_fused_moe has the layouts): `fused_moe`
-    whose kernels read the experts' int32 words and dequantize each tile in registers, (q - zero) x scale in float32
-    (weight-only: the activations stay in x's dtype); the grouped GEMMs round it to x's dtype before the dot, as
-    dequantizing at load does. Groups of a multiple of 16 inputs (every checkpoint's 32, 64 or 128) or -1, else the
-    reference runs."""
+    whose kernels read the experts' int32 words (weight-only: the activations stay in x's dtype) and multiply by
+    q - zero, each group's partial product then by its scale, in float32 (the reference dequantizes to x's dtype
+    first: the two round differently, within x's precision). Groups of a multiple of 16 inputs (every checkpoint's
+    32, 64 or 128) or -1, else the reference runs."""
     from omnirun.layers import native_ops
 
     if x.dtype not in _KERNEL_DTYPES or x.dim() != 2 or (group_size != -1 and (group_size <= 0 or group_size % 16)):

@@ -4,18 +4,21 @@ with every character outside letters and digits made "_", as vLLM names its fuse
 op table is built; a device without one gets DEFAULT, measured on an H100. `python bench/moe_op.py --sweep
 --write-table` writes a device's table from its own sweep.
 
-A table (every key required but `fp8_decode`):
+A table (every key required but `fp8_decode` and `int4_decode`):
 
     {"decode_max_slots_per_expert": 1,
      "decode": [{"max_slots": 8, "gate_up": [4, 512, 4], "down": [4, 512, 4]}, ...],
      "fp8_decode": [{"max_slots": 8, "gate_up": [2, 1024, 4], "down": [4, 1024, 4]}, ...],
+     "int4_decode": [{"max_slots": 128, "gate_up": [16, 1024, 4], "down": [16, 256, 4]}, ...],
      "grouped": [{"max_slots_per_expert": 32, "tile": [16, 64, 128, 4, 3]}, ...]}
 
 `decode`: (BLOCK_N, BLOCK_K, warps) of the two decode kernels up to `max_slots` slots; `fp8_decode`: the same for
-`fp8_fused_moe` (experts in fp8: half the bytes a row, so other tiles win), absent: fp8 takes `decode`'s; `grouped`:
-(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMMs up to `max_slots_per_expert` slots per local expert
-(either dtype). Buckets ascend; the last one also serves anything larger (its bound says how far the sweep went).
-`python bench/moe_op.py --sweep --write-table --fp8` writes `fp8_decode` too.
+`fp8_fused_moe` (experts in fp8: half the bytes a row, so other tiles win), absent: fp8 takes `decode`'s;
+`int4_decode`: the tiles of `int4_fused_moe`'s own decode kernels (int4_linear's GEMV products), absent: DEFAULT's;
+`grouped`: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMMs up to `max_slots_per_expert` slots per
+local expert (any weights). Buckets ascend; the last one also serves anything larger (its bound says how far the
+sweep went).
+`python bench/moe_op.py --sweep --write-table --fp8 --int4` writes `fp8_decode` and `int4_decode` too.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 TABLES = Path(__file__).with_name("moe_tiles")
+OPTIONAL_DECODE = ("fp8_decode", "int4_decode")  # a table's decode buckets for quantized experts, each optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +54,20 @@ class MoeTiles:
     decode: tuple[DecodeBucket, ...]
     grouped: tuple[GroupedBucket, ...]
     fp8_decode: tuple[DecodeBucket, ...] = ()  # the decode kernels' tiles on fp8 experts; empty: `decode`'s
+    int4_decode: tuple[DecodeBucket, ...] = ()  # the int4 decode kernels' tiles; empty: DEFAULT's
     source: str = dataclasses.field(default="default", compare=False)  # the table's file, or "default"
 
     def by_slot(self, slots: int, local_experts: int) -> bool:
         """Whether `slots` (tokens x top_k) over this many local experts take the decode path."""
         return slots <= self.decode_max_slots_per_expert * local_experts
 
-    def slot_tiles(self, slots: int, fp8: bool = False) -> DecodeBucket:
-        """The decode kernels' tiles for `slots`: of the fp8 buckets for experts in fp8, where the table has any."""
-        buckets = self.fp8_decode if fp8 and self.fp8_decode else self.decode
+    def slot_tiles(self, slots: int, weights: str = "plain") -> DecodeBucket:
+        """The decode kernels' tiles for `slots` on experts whose `weights` are "plain", "fp8" (the fp8 buckets where
+        the table has any, else `decode`'s) or "int4" (int4's own kernels: the int4 buckets, else DEFAULT's)."""
+        if weights == "int4":
+            buckets = self.int4_decode or DEFAULT.int4_decode
+        else:
+            buckets = self.fp8_decode if weights == "fp8" and self.fp8_decode else self.decode
         return next((b for b in buckets if slots <= b.max_slots), buckets[-1])
 
     def grouped_tile(self, slots: int, local_experts: int) -> tuple[int, int, int, int, int]:
@@ -73,11 +82,20 @@ class MoeTiles:
 # tile varied with the other at `decode`'s): at 8 slots gate_up 2 x 1024 x 4 and down 4 x 1024 x 4, at 32 slots
 # gate_up 2 x 1024 x 4 and down 8 x 256 x 4 were fastest. Together (h100_moe_op_fp8_tiles_dccb150.txt) 0.117 ms at
 # 8 slots and 0.280 at 32, against 0.137 and 0.335 at `decode`'s tiles (h100_moe_op_fp8_c40a7db.txt).
+# int4 experts (their own decode kernels; bench/results/h100_moe_op_int4_sweep_7bb460a.json, groups of 128, one
+# kernel's tile varied with the other at 16 x 1,024 / 16 x 256): gate_up 16 x 1,024 and down 4 x 512 fastest at 8
+# slots (0.132 and 0.108 ms against 0.141 at those tiles), gate_up 32 x 512 at 32 and 128 slots, down 16 x 512 at 32
+# and 32 x 256 at 128.
 DEFAULT = MoeTiles(
     decode_max_slots_per_expert=1,
     decode=(DecodeBucket(8, (4, 512, 4), (4, 512, 4)), DecodeBucket(128, (8, 512, 4), (4, 256, 4))),
     grouped=(GroupedBucket(32, (16, 64, 128, 4, 3)), GroupedBucket(64, (64, 64, 32, 4, 3))),
     fp8_decode=(DecodeBucket(8, (2, 1024, 4), (4, 1024, 4)), DecodeBucket(128, (2, 1024, 4), (8, 256, 4))),
+    int4_decode=(
+        DecodeBucket(8, (16, 1024, 4), (4, 512, 4)),
+        DecodeBucket(32, (32, 512, 4), (16, 512, 4)),
+        DecodeBucket(128, (32, 512, 4), (32, 256, 4)),
+    ),
 )
 
 
@@ -94,6 +112,7 @@ def from_json(data: dict[str, Any], source: str) -> MoeTiles:
             decode=_decode_buckets(data["decode"]),
             grouped=tuple(GroupedBucket(int(b["max_slots_per_expert"]), _ints(b["tile"], 5)) for b in data["grouped"]),
             fp8_decode=_decode_buckets(data["fp8_decode"]) if "fp8_decode" in data else (),
+            int4_decode=_decode_buckets(data["int4_decode"]) if "int4_decode" in data else (),
             source=source,
         )
     except (KeyError, TypeError, ValueError) as error:
@@ -101,11 +120,13 @@ def from_json(data: dict[str, Any], source: str) -> MoeTiles:
         raise ValueError(f"{problem}: see omnirun.kernels.triton.moe_tiles for the format") from None
     if not tiles.decode or not tiles.grouped:
         raise ValueError(f"{source}: a fused_moe tile table needs at least one decode and one grouped bucket")
-    if "fp8_decode" in data and not tiles.fp8_decode:
-        raise ValueError(f"{source}: fp8_decode, where given, needs at least one bucket (leave it out for decode's)")
+    for key in OPTIONAL_DECODE:
+        if key in data and not getattr(tiles, key):
+            raise ValueError(f"{source}: {key}, where given, needs at least one bucket (leave it out for the default)")
     for key, buckets, bound in (
         ("decode", tiles.decode, "max_slots"),
         ("fp8_decode", tiles.fp8_decode, "max_slots"),
+        ("int4_decode", tiles.int4_decode, "max_slots"),
         ("grouped", tiles.grouped, "max_slots_per_expert"),
     ):
         bounds = [getattr(bucket, bound) for bucket in buckets]
@@ -118,7 +139,7 @@ def dumps(tiles: MoeTiles) -> str:
     """A table's file text: one bucket a line."""
     data = to_json(tiles)
     lines = [f'{{"decode_max_slots_per_expert": {json.dumps(data["decode_max_slots_per_expert"])},']
-    keys = [key for key in ("decode", "fp8_decode", "grouped") if key in data]
+    keys = [key for key in ("decode", *OPTIONAL_DECODE, "grouped") if key in data]
     for key in keys:
         buckets = ",\n  ".join(json.dumps(bucket) for bucket in data[key])
         lines.append(f' "{key}": [\n  {buckets}\n ]' + ("}" if key == keys[-1] else ","))
@@ -126,13 +147,14 @@ def dumps(tiles: MoeTiles) -> str:
 
 
 def to_json(tiles: MoeTiles) -> dict[str, Any]:
-    """A table as `from_json` reads it (`fp8_decode` only where the table has fp8 buckets)."""
+    """A table as `from_json` reads it (`fp8_decode` and `int4_decode` only where the table has such buckets)."""
     data: dict[str, Any] = {
         "decode_max_slots_per_expert": tiles.decode_max_slots_per_expert,
         "decode": _decode_json(tiles.decode),
     }
-    if tiles.fp8_decode:
-        data["fp8_decode"] = _decode_json(tiles.fp8_decode)
+    for key in OPTIONAL_DECODE:
+        if getattr(tiles, key):
+            data[key] = _decode_json(getattr(tiles, key))
     data["grouped"] = [{"max_slots_per_expert": b.max_slots_per_expert, "tile": list(b.tile)} for b in tiles.grouped]
     return data
 
