@@ -68,14 +68,16 @@ def candidates(path: str, decode: DecodeBucket):
 
 def swept_table(rows: list[dict], experts: int, top_k: int) -> MoeTiles:
     """The launch table a sweep measured: the decode path up to the largest batch where it was faster (bf16's
-    crossover), and each swept batch's fastest tiles as a bucket bounded by its slots (the fp8 and int4 decode tiles
-    where the rows swept them)."""
+    crossover; int4's own where the rows timed int4), and each swept batch's fastest tiles as a bucket bounded by its
+    slots (the fp8 and int4 decode tiles where the rows swept them)."""
 
     def fastest(row, prefix):
         times = {k: v for k, v in row.items() if k.startswith(prefix)}
         return tuple(int(n) for n in min(times, key=times.get).removeprefix(prefix).removesuffix("_ms").split("x"))
 
     decode_wins = [row["batch"] * top_k for row in rows if row["by_slot_ms"] < row["grouped_ms"]]
+    int4_rows = [row for row in rows if "int4_by_slot_ms" in row]
+    int4_wins = [row["batch"] * top_k for row in int4_rows if row["int4_by_slot_ms"] < row["int4_grouped_ms"]]
     decode, fp8_decode, int4_decode = (
         tuple(
             DecodeBucket(row["batch"] * top_k, fastest(row, f"{prefix}gate_up_"), fastest(row, f"{prefix}down_"))
@@ -95,6 +97,7 @@ def swept_table(rows: list[dict], experts: int, top_k: int) -> MoeTiles:
         _distinct(grouped),
         fp8_decode=_distinct(fp8_decode),
         int4_decode=_distinct(int4_decode),
+        int4_decode_max_slots_per_expert=max(int4_wins, default=0) / experts if int4_rows else None,
     )
 
 
@@ -199,7 +202,7 @@ def quantized_row(fmt: Quantized, row, layers, x, logits, top_k, renormalize, ta
             fmt.op(x, logits, *layer, top_k, renormalize, 0, fmt.layout, tiles=tiles)
 
     for path, forced in {"by_slot": float(x.shape[0] * top_k), "grouped": 0.0}.items():
-        tiles = dataclasses.replace(table, decode_max_slots_per_expert=forced)
+        tiles = dataclasses.replace(table, decode_max_slots_per_expert=forced, int4_decode_max_slots_per_expert=forced)
         got = fmt.op(x, logits, *layers[0], top_k, renormalize, 0, fmt.layout, tiles=tiles).float()
         row[f"{prefix}{path}_max_error"] = (got - expected).abs().max().item()
         row[f"{prefix}{path}_ms"] = graph_ms(platform, functools.partial(run, tiles))
@@ -321,6 +324,9 @@ def main() -> None:
         for fmt in QUANTIZED.values():
             if not getattr(swept, fmt.table_key):  # not swept (no --fp8 / --int4): the current table's tiles stay
                 swept = dataclasses.replace(swept, **{fmt.table_key: getattr(current, fmt.table_key)})
+                if fmt.name == "int4":
+                    bound = current.int4_decode_max_slots_per_expert
+                    swept = dataclasses.replace(swept, int4_decode_max_slots_per_expert=bound)
                 print(f"{fmt.table_key} kept from {current.source} (--{fmt.name} sweeps it)")
         path.write_text(dumps(swept))
         print(f"wrote {path}")

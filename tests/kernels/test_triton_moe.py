@@ -33,7 +33,7 @@ def _inputs(tokens: int, hidden: int, inter: int, experts: int, dtype: torch.dty
 @pytest.fixture(params=["by_slot", "grouped"])
 def path(request, monkeypatch):
     """Each case through both paths: the decode path (a GEMV per slot) and the grouped GEMMs."""
-    monkeypatch.setattr(MoeTiles, "by_slot", lambda self, slots, local: request.param == "by_slot")
+    monkeypatch.setattr(MoeTiles, "by_slot", lambda self, slots, local, weights="plain": request.param == "by_slot")
     return request.param
 
 

@@ -73,7 +73,7 @@ def _inputs(tokens: int, hidden: int, inter: int, experts: int, dtype: torch.dty
 @pytest.fixture(params=["by_slot", "grouped"])
 def path(request, monkeypatch):
     """Each case through both paths: the decode path (a GEMV per slot) and the grouped GEMMs."""
-    monkeypatch.setattr(MoeTiles, "by_slot", lambda self, slots, local: request.param == "by_slot")
+    monkeypatch.setattr(MoeTiles, "by_slot", lambda self, slots, local, weights="plain": request.param == "by_slot")
     return request.param
 
 
@@ -148,9 +148,30 @@ def test_int4_decode_tiles_round_trip_through_the_table_file_and_default_where_a
     assert without.slot_tiles(8, "int4") == DEFAULT.slot_tiles(8, "int4") != without.slot_tiles(8)
 
 
+def test_int4_experts_take_the_decode_path_as_far_as_their_own_bound(monkeypatch):
+    """int4_decode_max_slots_per_expert (the int4 kernels' crossover) bounds int4 experts' decode path, bf16's bound
+    the others'; read and written with the table, DEFAULT's where absent (0 is a bound: the grouped GEMMs always)."""
+    table = dataclasses.replace(STEPS_32, decode_max_slots_per_expert=1, int4_decode_max_slots_per_expert=2)
+    assert table.by_slot(8, 4, "int4") and not table.by_slot(9, 4, "int4")
+    assert table.by_slot(4, 4) and not table.by_slot(5, 4) and not table.by_slot(5, 4, "fp8")
+    assert from_json(json.loads(dumps(table)), "x") == table
+    never = dataclasses.replace(table, int4_decode_max_slots_per_expert=0)
+    assert not never.by_slot(1, 4, "int4") and from_json(json.loads(dumps(never)), "x") == never
+    default = DEFAULT.int4_decode_max_slots_per_expert
+    absent = dataclasses.replace(table, int4_decode_max_slots_per_expert=None)
+    assert "int4_decode_max_slots_per_expert" not in to_json(absent)
+    assert absent.by_slot(int(default * 4), 4, "int4") and not absent.by_slot(int(default * 4) + 1, 4, "int4")
+    paths = []
+    monkeypatch.setattr(moe, "_moe_by_slot", lambda *args: paths.append("by_slot") or args[0])
+    x, logits, w13, w2 = _inputs(4, hidden=32, inter=16, experts=4, dtype=torch.float32, group=32)
+    int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, 32, table)  # 8 slots over 4 experts: 2 an expert
+    assert paths == ["by_slot"]
+
+
 @pytest.mark.parametrize(
     "change, complaint",
     [
+        (lambda t: t.update(int4_decode_max_slots_per_expert=-1), "not a bound of slots per expert"),
         (lambda t: t["int4_decode"][0].update(down=[16, 0, 4]), "3 positive integers"),
         (lambda t: t.update(int4_decode=[]), "at least one bucket"),
         (lambda t: t["int4_decode"].insert(0, dict(t["int4_decode"][0])), "int4_decode buckets' max_slots must ascend"),

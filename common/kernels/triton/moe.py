@@ -673,7 +673,7 @@ def _mixture(x, router_logits, w13, w2, top_k, renormalize, expert_start, tiles,
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights, experts = route(router_logits, top_k, renormalize)
     slots = tokens * top_k
-    if tiles.by_slot(slots, w13.shape[0]):
+    if tiles.by_slot(slots, w13.shape[0], "int4" if s13.group else "plain"):
         return _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles, s13, s2)
     local = w13.shape[0]
     foreign = local != router_logits.shape[-1]

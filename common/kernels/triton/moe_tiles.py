@@ -4,17 +4,19 @@ with every character outside letters and digits made "_", as vLLM names its fuse
 op table is built; a device without one gets DEFAULT, measured on an H100. `python bench/moe_op.py --sweep
 --write-table` writes a device's table from its own sweep.
 
-A table (every key required but `fp8_decode` and `int4_decode`):
+A table (every key required but `fp8_decode`, `int4_decode` and `int4_decode_max_slots_per_expert`):
 
     {"decode_max_slots_per_expert": 1,
      "decode": [{"max_slots": 8, "gate_up": [4, 512, 4], "down": [4, 512, 4]}, ...],
      "fp8_decode": [{"max_slots": 8, "gate_up": [2, 1024, 4], "down": [4, 1024, 4]}, ...],
-     "int4_decode": [{"max_slots": 128, "gate_up": [16, 1024, 4], "down": [16, 256, 4]}, ...],
+     "int4_decode": [{"max_slots": 8, "gate_up": [16, 1024, 4], "down": [4, 512, 4]}, ...],
+     "int4_decode_max_slots_per_expert": 4,
      "grouped": [{"max_slots_per_expert": 32, "tile": [16, 64, 128, 4, 3]}, ...]}
 
 `decode`: (BLOCK_N, BLOCK_K, warps) of the two decode kernels up to `max_slots` slots; `fp8_decode`: the same for
 `fp8_fused_moe` (experts in fp8: half the bytes a row, so other tiles win), absent: fp8 takes `decode`'s;
-`int4_decode`: the tiles of `int4_fused_moe`'s own decode kernels (int4_linear's GEMV products), absent: DEFAULT's;
+`int4_decode`: the tiles of `int4_fused_moe`'s own decode kernels (int4_linear's GEMV products), and
+`int4_decode_max_slots_per_expert` how far int4 experts take the decode path, absent: DEFAULT's;
 `grouped`: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the grouped GEMMs up to `max_slots_per_expert` slots per
 local expert (any weights). Buckets ascend; the last one also serves anything larger (its bound says how far the
 sweep went).
@@ -55,11 +57,19 @@ class MoeTiles:
     grouped: tuple[GroupedBucket, ...]
     fp8_decode: tuple[DecodeBucket, ...] = ()  # the decode kernels' tiles on fp8 experts; empty: `decode`'s
     int4_decode: tuple[DecodeBucket, ...] = ()  # the int4 decode kernels' tiles; empty: DEFAULT's
+    # int4 experts take the decode path while slots <= this x the local experts; None: DEFAULT's
+    int4_decode_max_slots_per_expert: float | None = None
     source: str = dataclasses.field(default="default", compare=False)  # the table's file, or "default"
 
-    def by_slot(self, slots: int, local_experts: int) -> bool:
-        """Whether `slots` (tokens x top_k) over this many local experts take the decode path."""
-        return slots <= self.decode_max_slots_per_expert * local_experts
+    def by_slot(self, slots: int, local_experts: int, weights: str = "plain") -> bool:
+        """Whether `slots` (tokens x top_k) over this many local experts take the decode path, on experts whose
+        `weights` are "plain", "fp8" or "int4" (int4's own bound: its decode kernels outrun its grouped GEMMs
+        further)."""
+        bound = self.decode_max_slots_per_expert
+        if weights == "int4":
+            own = self.int4_decode_max_slots_per_expert
+            bound = DEFAULT.int4_decode_max_slots_per_expert if own is None else own
+        return slots <= bound * local_experts
 
     def slot_tiles(self, slots: int, weights: str = "plain") -> DecodeBucket:
         """The decode kernels' tiles for `slots` on experts whose `weights` are "plain", "fp8" (the fp8 buckets where
@@ -85,7 +95,8 @@ class MoeTiles:
 # int4 experts (their own decode kernels; bench/results/h100_moe_op_int4_sweep_7bb460a.json, groups of 128, one
 # kernel's tile varied with the other at 16 x 1,024 / 16 x 256): gate_up 16 x 1,024 and down 4 x 512 fastest at 8
 # slots (0.132 and 0.108 ms against 0.141 at those tiles), gate_up 32 x 512 at 32 and 128 slots, down 16 x 512 at 32
-# and 32 x 256 at 128.
+# and 32 x 256 at 128. Their decode path outran their grouped GEMMs up to 64 tokens (512 slots, 4 an expert; 2.02
+# against 3.80 ms), not at 256 (7.46 against 5.25; bench/results/h100_moe_op_int4_56d8910.txt).
 DEFAULT = MoeTiles(
     decode_max_slots_per_expert=1,
     decode=(DecodeBucket(8, (4, 512, 4), (4, 512, 4)), DecodeBucket(128, (8, 512, 4), (4, 256, 4))),
@@ -96,6 +107,7 @@ DEFAULT = MoeTiles(
         DecodeBucket(32, (32, 512, 4), (16, 512, 4)),
         DecodeBucket(128, (32, 512, 4), (32, 256, 4)),
     ),
+    int4_decode_max_slots_per_expert=4,
 )
 
 
@@ -113,6 +125,7 @@ def from_json(data: dict[str, Any], source: str) -> MoeTiles:
             grouped=tuple(GroupedBucket(int(b["max_slots_per_expert"]), _ints(b["tile"], 5)) for b in data["grouped"]),
             fp8_decode=_decode_buckets(data["fp8_decode"]) if "fp8_decode" in data else (),
             int4_decode=_decode_buckets(data["int4_decode"]) if "int4_decode" in data else (),
+            int4_decode_max_slots_per_expert=_bound(data.get("int4_decode_max_slots_per_expert")),
             source=source,
         )
     except (KeyError, TypeError, ValueError) as error:
@@ -139,6 +152,8 @@ def dumps(tiles: MoeTiles) -> str:
     """A table's file text: one bucket a line."""
     data = to_json(tiles)
     lines = [f'{{"decode_max_slots_per_expert": {json.dumps(data["decode_max_slots_per_expert"])},']
+    if "int4_decode_max_slots_per_expert" in data:
+        lines.append(f' "int4_decode_max_slots_per_expert": {json.dumps(data["int4_decode_max_slots_per_expert"])},')
     keys = [key for key in ("decode", *OPTIONAL_DECODE, "grouped") if key in data]
     for key in keys:
         buckets = ",\n  ".join(json.dumps(bucket) for bucket in data[key])
@@ -147,7 +162,7 @@ def dumps(tiles: MoeTiles) -> str:
 
 
 def to_json(tiles: MoeTiles) -> dict[str, Any]:
-    """A table as `from_json` reads it (`fp8_decode` and `int4_decode` only where the table has such buckets)."""
+    """A table as `from_json` reads it (the optional keys only where the table has them)."""
     data: dict[str, Any] = {
         "decode_max_slots_per_expert": tiles.decode_max_slots_per_expert,
         "decode": _decode_json(tiles.decode),
@@ -155,6 +170,8 @@ def to_json(tiles: MoeTiles) -> dict[str, Any]:
     for key in OPTIONAL_DECODE:
         if getattr(tiles, key):
             data[key] = _decode_json(getattr(tiles, key))
+    if tiles.int4_decode_max_slots_per_expert is not None:
+        data["int4_decode_max_slots_per_expert"] = tiles.int4_decode_max_slots_per_expert
     data["grouped"] = [{"max_slots_per_expert": b.max_slots_per_expert, "tile": list(b.tile)} for b in tiles.grouped]
     return data
 
@@ -174,6 +191,14 @@ def _decode_buckets(buckets: Any) -> tuple[DecodeBucket, ...]:
 
 def _decode_json(buckets: tuple[DecodeBucket, ...]) -> list[dict[str, Any]]:
     return [{"max_slots": b.max_slots, "gate_up": list(b.gate_up), "down": list(b.down)} for b in buckets]
+
+
+def _bound(value: Any) -> float | None:
+    if value is None:
+        return None
+    if float(value) < 0:
+        raise ValueError(f"{value} is not a bound of slots per expert (0 or more)")
+    return float(value)
 
 
 def _ints(values: Any, count: int) -> tuple[int, ...]:
