@@ -11,7 +11,8 @@ faster path per batch, and each path's fastest tiles, one bucket per swept batch
 ships them), and `--int4` `int4_fused_moe` on them quantized to 4 bits in groups of 128 with zero points (as AWQ
 checkpoints hold them), each path at the table's tiles (the decode path at the format's tiles, `fp8_decode` /
 `int4_decode`), against the floor of the quantized bytes; with `--sweep` the format's decode tiles are swept too,
-and `--write-table` writes the fastest into the table (a format not timed keeps the current table's tiles).
+and `--write-table` writes the fastest into the table (a format not timed keeps the current table's tiles); int4's
+grouped tiles and its decode/grouped crossover are swept and written too.
 
     python bench/moe_op.py --device cuda --preset qwen3-30b-a3b --batch-sizes 1 4 16 64 256 \
         --json bench/results/h100_moe_op.json [--sweep --write-table] [--fp8] [--int4]
@@ -43,6 +44,8 @@ SLOT_TILES = {
     "gate_up": [(2, 1024, 4), (4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4)],
     "down": [(2, 256, 4), (4, 128, 4), (4, 256, 4), (4, 512, 4), (8, 128, 4), (8, 256, 4), (16, 256, 4)],
 }
+# int4 experts' grouped GEMMs also try these: their unpacking wants wider tiles (at 16 x 64 the compiler spills)
+INT4_GROUPED_TILES = [(16, 128, 128, 4, 3), (32, 128, 128, 4, 3), (32, 128, 64, 4, 3), (64, 128, 64, 4, 3)]
 GROUPED_TILES = [
     (16, 64, 32, 4, 3),
     (16, 64, 64, 4, 4),
@@ -86,10 +89,13 @@ def swept_table(rows: list[dict], experts: int, top_k: int) -> MoeTiles:
         )
         for prefix in ("by_slot_", "fp8_by_slot_", "int4_by_slot_")
     )
-    grouped = tuple(
-        GroupedBucket(-(-row["batch"] * top_k // experts), fastest(row, "grouped_tile_"))
-        for row in rows
-        if any(k.startswith("grouped_tile_") for k in row)
+    grouped, int4_grouped = (
+        tuple(
+            GroupedBucket(-(-row["batch"] * top_k // experts), fastest(row, prefix))
+            for row in rows
+            if any(k.startswith(prefix) for k in row)
+        )
+        for prefix in ("grouped_tile_", "int4_grouped_tile_")
     )
     return MoeTiles(
         max(decode_wins, default=0) / experts,
@@ -98,6 +104,7 @@ def swept_table(rows: list[dict], experts: int, top_k: int) -> MoeTiles:
         fp8_decode=_distinct(fp8_decode),
         int4_decode=_distinct(int4_decode),
         int4_decode_max_slots_per_expert=max(int4_wins, default=0) / experts if int4_rows else None,
+        int4_grouped=_distinct(int4_grouped),
     )
 
 
@@ -206,7 +213,14 @@ def quantized_row(fmt: Quantized, row, layers, x, logits, top_k, renormalize, ta
         got = fmt.op(x, logits, *layers[0], top_k, renormalize, 0, fmt.layout, tiles=tiles).float()
         row[f"{prefix}{path}_max_error"] = (got - expected).abs().max().item()
         row[f"{prefix}{path}_ms"] = graph_ms(platform, functools.partial(run, tiles))
-        if not sweep or path != "by_slot":
+        if not sweep:
+            continue
+        if path == "grouped":
+            if fmt.name == "int4":  # int4's grouped GEMMs have tiles of their own
+                for tile in dict.fromkeys((*GROUPED_TILES, *INT4_GROUPED_TILES)):
+                    varied = dataclasses.replace(tiles, int4_grouped=(GroupedBucket(1 << 30, tile),))
+                    name = f"int4_grouped_tile_{'x'.join(map(str, tile))}_ms"
+                    row[name] = graph_ms(platform, functools.partial(run, varied))
             continue
         decode = tiles.slot_tiles(x.shape[0] * top_k, fmt.name)
         fixed = {"gate_up": decode.gate_up, "down": decode.down}
@@ -312,7 +326,7 @@ def main() -> None:
                 flush=True,
             )
         kernels = [f"{prefix}by_slot_{kernel}" for prefix in ("", "fp8_", "int4_") for kernel in ("gate_up", "down")]
-        for group in (*kernels, "grouped_tile"):
+        for group in (*kernels, "grouped_tile", "int4_grouped_tile"):
             tiles = {k: v for k, v in row.items() if k.startswith(f"{group}_")}
             if tiles:
                 best = min(tiles, key=tiles.get)
@@ -325,8 +339,8 @@ def main() -> None:
             if not getattr(swept, fmt.table_key):  # not swept (no --fp8 / --int4): the current table's tiles stay
                 swept = dataclasses.replace(swept, **{fmt.table_key: getattr(current, fmt.table_key)})
                 if fmt.name == "int4":
-                    bound = current.int4_decode_max_slots_per_expert
-                    swept = dataclasses.replace(swept, int4_decode_max_slots_per_expert=bound)
+                    bound, grouped = current.int4_decode_max_slots_per_expert, current.int4_grouped
+                    swept = dataclasses.replace(swept, int4_decode_max_slots_per_expert=bound, int4_grouped=grouped)
                 print(f"{fmt.table_key} kept from {current.source} (--{fmt.name} sweeps it)")
         path.write_text(dumps(swept))
         print(f"wrote {path}")

@@ -37,7 +37,8 @@ DEVICE = torch.device("cpu")  # replaced per test by tests/kernels/conftest.py (
 # for the interpreter.
 def _steps(block_k: int) -> MoeTiles:
     decode = (DecodeBucket(1 << 30, (64, block_k, 4), (64, block_k, 4)),)
-    return MoeTiles(1, decode, (GroupedBucket(1 << 30, (16, 64, block_k, 4, 1)),), int4_decode=decode)
+    grouped = (GroupedBucket(1 << 30, (16, 64, block_k, 4, 1)),)
+    return MoeTiles(1, decode, grouped, int4_decode=decode, int4_grouped=grouped)
 
 
 STEPS_32, STEPS_128 = _steps(32), _steps(128)
@@ -136,16 +137,24 @@ def test_the_triton_op_table_offers_it_with_the_device_s_tiles():
     assert op.func is int4_fused_moe and op.keywords == {"tiles": tiles_for("NVIDIA H100 80GB HBM3")}
 
 
-def test_int4_decode_tiles_round_trip_through_the_table_file_and_default_where_absent(tmp_path):
-    """A table's `int4_decode` buckets are read and written with it; a table without them gives int4 experts
-    DEFAULT's int4 buckets (their own kernels), never `decode`'s (bf16's kernels' tiles)."""
-    acme = dataclasses.replace(STEPS_32, int4_decode=(DecodeBucket(8, (8, 64, 2), (4, 32, 1)), STEPS_128.decode[0]))
+def test_int4_tiles_round_trip_through_the_table_file_and_default_where_absent(tmp_path):
+    """A table's `int4_decode` and `int4_grouped` buckets are read and written with it; a table without them gives
+    int4 experts DEFAULT's int4 buckets, never `decode`'s or `grouped`'s (the plain experts' kernels' tiles)."""
+    acme = dataclasses.replace(
+        STEPS_32,
+        int4_decode=(DecodeBucket(8, (8, 64, 2), (4, 32, 1)), STEPS_128.decode[0]),
+        int4_grouped=(GroupedBucket(2, (16, 32, 64, 2, 1)), GroupedBucket(8, (32, 64, 32, 4, 2))),
+    )
     (tmp_path / table_name("Acme X1")).write_text(dumps(acme))
     assert tiles_for("Acme X1", tmp_path) == acme
     assert [acme.slot_tiles(slots, "int4").gate_up for slots in (1, 8, 9)] == [(8, 64, 2), (8, 64, 2), (64, 128, 4)]
-    without = dataclasses.replace(acme, int4_decode=())
-    assert "int4_decode" not in to_json(without) and from_json(json.loads(dumps(without)), "x") == without
+    assert [acme.grouped_tile(slots, 4, "int4")[0] for slots in (8, 9, 100)] == [16, 32, 32]
+    assert acme.grouped_tile(8, 4) == STEPS_32.grouped[0].tile
+    without = dataclasses.replace(acme, int4_decode=(), int4_grouped=())
+    assert "int4_decode" not in to_json(without) and "int4_grouped" not in to_json(without)
+    assert from_json(json.loads(dumps(without)), "x") == without
     assert without.slot_tiles(8, "int4") == DEFAULT.slot_tiles(8, "int4") != without.slot_tiles(8)
+    assert without.grouped_tile(64, 4, "int4") == DEFAULT.grouped_tile(64, 4, "int4") != without.grouped_tile(64, 4)
 
 
 def test_int4_experts_take_the_decode_path_as_far_as_their_own_bound(monkeypatch):
@@ -173,6 +182,8 @@ def test_int4_experts_take_the_decode_path_as_far_as_their_own_bound(monkeypatch
     [
         (lambda t: t.update(int4_decode_max_slots_per_expert=-1), "not a bound of slots per expert"),
         (lambda t: t["int4_decode"][0].update(down=[16, 0, 4]), "3 positive integers"),
+        (lambda t: t.update(int4_grouped=[]), "int4_grouped, where given, needs at least one bucket"),
+        (lambda t: t["int4_grouped"][0].update(tile=[16, 64, 32]), "5 positive integers"),
         (lambda t: t.update(int4_decode=[]), "at least one bucket"),
         (lambda t: t["int4_decode"].insert(0, dict(t["int4_decode"][0])), "int4_decode buckets' max_slots must ascend"),
     ],
@@ -187,32 +198,53 @@ def test_a_malformed_int4_decode_is_refused_in_one_line(tmp_path, change, compla
     assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
+def _recording(launched: list, name: str, keys: tuple[str, ...]):
+    """Stands in for kernel `name` of moe (`kernel[grid](...)`): records each launch's `keys`, then launches it."""
+    kernel = getattr(moe, name)
+
+    class Launches:
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                launched.append((name, *(constexprs[key] for key in keys)))
+                return kernel[grid](*args, **constexprs)
+
+            return launch
+
+    return Launches()
+
+
 @pytest.mark.parametrize("group, block_k", [(32, 64), (48, 16), (-1, 64)])
 def test_int4_experts_launch_their_decode_kernels_at_the_table_s_tiles(group, block_k, monkeypatch):
     """The decode path on int4 experts launches the int4 kernels (int4_linear's GEMV products) at the table's
     `int4_decode` tiles, each K step lowered to lie in one group or hold whole ones (groups of 48: 16), never the
     bf16 kernels; and equals the reference."""
-    launched = []
-
-    def recording(name):
-        kernel = getattr(moe, name)
-
-        class Launches:
-            def __getitem__(self, grid):
-                def launch(*args, **constexprs):
-                    launched.append((name, constexprs["BLOCK_N"], constexprs["BLOCK_K"], constexprs["num_warps"]))
-                    return kernel[grid](*args, **constexprs)
-
-                return launch
-
-        return Launches()
-
+    launched: list = []
     for name in ("_slot_gate_up_int4_kernel", "_token_down_int4_kernel", "_slot_gate_up_kernel", "_token_down_kernel"):
-        monkeypatch.setattr(moe, name, recording(name))
+        monkeypatch.setattr(moe, name, _recording(launched, name, ("BLOCK_N", "BLOCK_K", "num_warps")))
     tiles = dataclasses.replace(STEPS_32, int4_decode=(DecodeBucket(1 << 30, (16, 64, 2), (32, 64, 1)),))
     x, logits, w13, w2 = _inputs(1, hidden=96, inter=48, experts=4, dtype=torch.float32, group=group)
     got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles)
-    torch.testing.assert_close(
-        got, native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group), atol=1e-5, rtol=1e-5
-    )
+    expected = native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert launched == [("_slot_gate_up_int4_kernel", 16, block_k, 2), ("_token_down_int4_kernel", 32, block_k, 1)]
+
+
+@pytest.mark.parametrize("group, block_k", [(64, 64), (48, 16)])
+def test_int4_experts_launch_the_grouped_gemms_at_their_own_tiles(group, block_k, monkeypatch):
+    """The grouped path on int4 experts launches the grouped GEMMs at the table's `int4_grouped` tile for its slots
+    per expert (never `grouped`'s), each K step lowered to lie in one group (groups of 48: 16); and equals the
+    reference."""
+    launched: list = []
+    recording = _recording(launched, "_grouped_gemm_kernel", ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    monkeypatch.setattr(moe, "_grouped_gemm_kernel", recording)
+    tiles = dataclasses.replace(
+        STEPS_32,
+        decode_max_slots_per_expert=0,
+        int4_decode_max_slots_per_expert=0,
+        int4_grouped=(GroupedBucket(1, (16, 32, 128, 4, 1)), GroupedBucket(4, (32, 64, 64, 4, 1))),
+    )
+    x, logits, w13, w2 = _inputs(6, hidden=128, inter=64, experts=4, dtype=torch.float32, group=group)
+    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles)  # 12 slots over 4 experts: 3 an expert
+    expected = native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert launched == [("_grouped_gemm_kernel", 32, 64, block_k)] * 2

@@ -680,7 +680,7 @@ def _mixture(x, router_logits, w13, w2, top_k, renormalize, expert_start, tiles,
     if foreign:  # expert parallelism: this rank holds experts expert_start.. only, and skips the other slots
         experts = experts - expert_start
         experts = torch.where((experts >= 0) & (experts < local), experts, local)
-    tile = tiles.grouped_tile(slots, local)
+    tile = tiles.grouped_tile(slots, local, "int4" if s13.group else "plain")
     sorted_slots, block_experts, total = sort_slots(experts, local, tile[0])
     gate_up = _grouped_gemm(x, w13, sorted_slots, block_experts, total, slots, top_k, None, x.dtype, tile, scales=s13)
     gate, up = gate_up.chunk(2, dim=-1)
