@@ -23,6 +23,9 @@ ACME = MoeTiles(
     decode_max_slots_per_expert=2,
     decode=(DecodeBucket(4, (2, 256, 2), (2, 128, 2)), DecodeBucket(64, (16, 256, 4), (8, 256, 4))),
     grouped=(GroupedBucket(8, (32, 32, 64, 4, 2)), GroupedBucket(16, (64, 128, 64, 8, 4))),
+    int4_decode=(DecodeBucket(8, (16, 1024, 4), (4, 512, 4)), DecodeBucket(32, (32, 512, 4), (16, 512, 4))),
+    int4_decode_max_slots_per_expert=4,
+    int4_grouped=(GroupedBucket(4, (16, 128, 128, 4, 3)),),
 )
 
 
@@ -55,6 +58,12 @@ def test_buckets_pick_by_their_bounds_and_the_last_serves_more():
         (lambda t: t["grouped"][0].update(tile=[16, 64, 0, 4, 3]), "5 positive integers"),
         (lambda t: t["decode"].reverse(), "must ascend"),
         (lambda t: t.update(grouped=[]), "at least one"),
+        (lambda t: t.update(int4_decode_max_slots_per_expert=-1), "not a bound of slots per expert"),
+        (lambda t: t["int4_decode"][0].update(down=[16, 0, 4]), "3 positive integers"),
+        (lambda t: t.update(int4_decode=[]), "int4_decode, where given, needs at least one bucket"),
+        (lambda t: t["int4_decode"].reverse(), "int4_decode buckets' max_slots must ascend"),
+        (lambda t: t.update(int4_grouped=[]), "int4_grouped, where given, needs at least one bucket"),
+        (lambda t: t["int4_grouped"][0].update(tile=[16, 64, 32]), "5 positive integers"),
     ],
 )
 def test_a_malformed_table_is_refused_naming_its_file(tmp_path, change, complaint):

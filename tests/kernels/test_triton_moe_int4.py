@@ -177,27 +177,6 @@ def test_int4_experts_take_the_decode_path_as_far_as_their_own_bound(monkeypatch
     assert paths == ["by_slot"]
 
 
-@pytest.mark.parametrize(
-    "change, complaint",
-    [
-        (lambda t: t.update(int4_decode_max_slots_per_expert=-1), "not a bound of slots per expert"),
-        (lambda t: t["int4_decode"][0].update(down=[16, 0, 4]), "3 positive integers"),
-        (lambda t: t.update(int4_grouped=[]), "int4_grouped, where given, needs at least one bucket"),
-        (lambda t: t["int4_grouped"][0].update(tile=[16, 64, 32]), "5 positive integers"),
-        (lambda t: t.update(int4_decode=[]), "at least one bucket"),
-        (lambda t: t["int4_decode"].insert(0, dict(t["int4_decode"][0])), "int4_decode buckets' max_slots must ascend"),
-    ],
-)
-def test_a_malformed_int4_decode_is_refused_in_one_line(tmp_path, change, complaint):
-    table = json.loads(dumps(STEPS_32))
-    change(table)
-    path = tmp_path / table_name("Broken")
-    path.write_text(json.dumps(table))
-    with pytest.raises(ValueError, match=complaint) as error:
-        tiles_for("Broken", tmp_path)
-    assert str(path) in str(error.value) and "\n" not in str(error.value)
-
-
 def _recording(launched: list, name: str, keys: tuple[str, ...]):
     """Stands in for kernel `name` of moe (`kernel[grid](...)`): records each launch's `keys`, then launches it."""
     kernel = getattr(moe, name)

@@ -399,7 +399,7 @@ def _token_down_int4_kernel(
             scales, zeros = s_ptr + expert * stride_se, z_ptr + expert * stride_se
             for k0 in range(0, K, BLOCK_K):
                 kk = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * 8 + tl.arange(0, 8)[None, :]
-                a = _load_row(act_ptr, slot, slot + 1, K, kk, K, EVEN_K) * weight
+                a = _load_row(act_ptr, slot, slot + 1, K, kk, K, EVEN_K) * weight  # act [slots, K]: row `slot`
                 words, s, z = _int4_step(words_ptr, scales, zeros, offs_n, n_mask, k0, K, stride_wn, stride_sn, GROUP,
                                          BLOCK_K, EVEN_K)  # fmt: skip
                 acc += _row_part(words, a, s, z, nibble_mask, GROUPS, SPAN)
