@@ -8,7 +8,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'omnirun[cuda]' or '[rocm]')")
 
-from omnirun.kernels.triton.moe import fp8_fused_moe, fused_moe, route, sort_slots  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from omnirun.kernels.triton.moe import _fnuz, fp8_fused_moe, fused_moe, route, sort_slots  # noqa: E402
 from omnirun.kernels.triton.moe_tiles import DecodeBucket, GroupedBucket, MoeTiles  # noqa: E402
 from omnirun.layers import native_ops  # noqa: E402
 
@@ -100,6 +103,42 @@ def test_fp8_experts_equal_the_reference(tokens, dtype, block, path):
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
     assert not torch.allclose(expected, native_ops.fused_moe(x, logits.float(), q13.to(dtype), q2.to(dtype), 2, True))
+
+
+@pytest.mark.parametrize("block", [None, (16, 16), (16, 64)], ids=str)
+def test_fp8_experts_read_as_fnuz_give_the_same_mixture(block, path):
+    """`fnuz` (the ROCm platform's fp8_fused_moe on an MI300): the kernels read the e4m3fn bits as e4m3fnuz and double
+    the scales, which gives the same float32 mixture bit for bit, e4m3fn's negative zeros (0x80) included.
+    fp8e4b8 exists on AMD GPUs (and in the interpreter), not on NVIDIA's."""
+    if DEVICE.type == "cuda" and torch.version.hip is None:
+        pytest.skip("e4m3fnuz (fp8e4b8) is an AMD encoding: NVIDIA GPUs do not convert it")
+    x, logits, w13, w2 = _inputs(5, hidden=40, inter=48, experts=5, dtype=torch.float32)
+    (q13, s13), (q2, s2) = _fp8_experts(w13, block, 5), _fp8_experts(w2, block, 6)
+    q13.view(torch.uint8)[:, :3, :5] = 0x80  # e4m3fn's -0.0
+    fnuz = fp8_fused_moe(x, logits, q13, s13, q2, s2, 2, True, 0, block, tiles=SMALL_TILES, fnuz=True)
+    ocp = fp8_fused_moe(x, logits, q13, s13, q2, s2, 2, True, 0, block, tiles=SMALL_TILES)
+    assert torch.equal(fnuz, ocp) and not fnuz.isnan().any()
+    expected = native_ops.fp8_fused_moe(x, logits, q13, s13, q2, s2, 2, True, 0, block)
+    torch.testing.assert_close(fnuz, expected, atol=1e-5, rtol=1e-5)
+
+
+@triton.jit
+def _fnuz_bits(x_ptr, y_ptr):
+    offs = tl.arange(0, 256)
+    tl.store(y_ptr + offs, _fnuz(tl.load(x_ptr + offs)).to(tl.uint8, bitcast=True))
+
+
+def test_fnuz_turns_e4m3fn_negative_zero_into_zero_and_keeps_every_other_pattern():
+    """_fnuz's bits: 0x80 (e4m3fn's -0.0, e4m3fnuz's NaN on the GPU; the interpreter reads it as -0, so the mixture
+    above cannot tell) becomes 0x00; the other 255 patterns pass unchanged."""
+    if DEVICE.type == "cuda" and torch.version.hip is None:
+        pytest.skip("e4m3fnuz (fp8e4b8) is an AMD encoding: NVIDIA GPUs do not convert it")
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    out = torch.empty_like(patterns)
+    _fnuz_bits[(1,)](patterns, out)
+    expected = patterns.clone()
+    expected[0x80] = 0
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("start", [0, 2])

@@ -57,13 +57,19 @@ def _widened(
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr,  # 0: plain weights; 1: one scale per row; else the rows of a block of scales
     SCALE_COLS: tl.constexpr,  # 0: one scale per row; else the columns of a block
+    FNUZ: tl.constexpr = False,  # w: the bits (uint8) of e4m3fn values, read as e4m3fnuz (see _fnuz)
 ):
     """A weight tile [BLOCK_N, BLOCK_K] (its `rows`, columns k0..) in float32: as stored, or, of an fp8 weight, each
     value times its scale (`s_ptr`: the expert's scales, [rows] or [row blocks, column blocks])."""
     GROUP: tl.constexpr = BLOCK_K if SCALE_COLS == 0 else min(SCALE_COLS, BLOCK_K)  # columns sharing a scale
+    if FNUZ:
+        w = _fnuz(w)
     w = w.to(tl.float32)
     if SCALE_ROWS > 0 and SCALE_COLS == 0:
-        w = w * tl.load(s_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        s = tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+        if FNUZ:
+            s = s * 2.0
+        w = w * s[:, None]
     elif SCALE_ROWS > 0:
         column = (k0 + tl.arange(0, BLOCK_K // GROUP) * GROUP) // SCALE_COLS
         s = tl.load(
@@ -71,8 +77,19 @@ def _widened(
             mask=row_mask[:, None] & (column < tl.cdiv(K, SCALE_COLS))[None, :],
             other=0.0,
         )
+        if FNUZ:
+            s = s * 2.0
         w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
     return w
+
+
+@triton.jit
+def _fnuz(bits):
+    """e4m3fn values, given as their bits (uint8), as e4m3fnuz values of half their size: the encodings share their
+    bits but fnuz's exponent bias is one higher (the caller doubles the scales). 0x80, e4m3fn's -0 but fnuz's NaN,
+    becomes 0 (as omnirun.devices.rocm.fnuz converts linear weights). An MI300 (CDNA3) converts fnuz natively and
+    OCP e4m3fn only in software (Triton's AMD backend, triton/backends/amd/compiler.py: HIPOptions)."""
+    return tl.where(bits == 0x80, 0, bits).to(tl.uint8).to(tl.float8e4b8, bitcast=True)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -103,6 +120,7 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
     SCALE_COLS: tl.constexpr = 0,
+    FNUZ: tl.constexpr = False,  # fp8 weights given as e4m3fn bits, read as e4m3fnuz (see _fnuz)
     INT4_GROUP: tl.constexpr = 0,  # int4 weights (b: their words [E, N, K / 8]): inputs per scale; 0: others
     MAGIC_16: tl.constexpr = 0,  # int4: int4_linear's magic number of a's dtype (16-bit), as bits
 ):
@@ -142,7 +160,7 @@ def _grouped_gemm_kernel(
                     other=0.0,
                 )
                 scaled = _widened(w, s_ptr + expert * stride_se, offs_n, offs_n < N, k0, K, stride_sn, BLOCK_N,
-                                  BLOCK_K, SCALE_ROWS, SCALE_COLS)  # fmt: skip
+                                  BLOCK_K, SCALE_ROWS, SCALE_COLS, FNUZ)  # fmt: skip
                 b = tl.trans(scaled.to(a_ptr.dtype.element_ty))
             else:
                 b = tl.load(
@@ -236,6 +254,7 @@ def _slot_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
     SCALE_COLS: tl.constexpr = 0,
+    FNUZ: tl.constexpr = False,  # fp8 weights given as e4m3fn bits, read as e4m3fnuz (see _fnuz)
 ):
     """act[slot, n] = silu(gate) * up of the slot's token through its expert's rows n and inter + n, in float32."""
     slot = tl.program_id(0).to(tl.int64)
@@ -255,9 +274,10 @@ def _slot_gate_up_kernel(
         g = tl.load(rows + offs_k[None, :], mask=mask, other=0.0)
         u = tl.load(rows + inter * stride_wn + offs_k[None, :], mask=mask, other=0.0)
         scales = s_ptr + expert * stride_se
-        gate += _widened(g, scales, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS) * x
+        gate += _widened(g, scales, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS, SCALE_COLS,
+                         FNUZ) * x  # fmt: skip
         up += _widened(u, scales, offs_n + inter, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K, SCALE_ROWS,
-                       SCALE_COLS) * x  # fmt: skip
+                       SCALE_COLS, FNUZ) * x  # fmt: skip
     g, u = tl.sum(gate, 1), tl.sum(up, 1)
     tl.store(act_ptr + slot * inter + offs_n, g * tl.sigmoid(g) * u, mask=offs_n < inter)
 
@@ -284,6 +304,7 @@ def _token_down_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr = 0,  # fp8 weights: see _widened
     SCALE_COLS: tl.constexpr = 0,
+    FNUZ: tl.constexpr = False,  # fp8 weights given as e4m3fn bits, read as e4m3fnuz (see _fnuz)
 ):
     """out[token, n] = sum over the token's slots of weight * (w2[expert] row n . act[slot]), in float32."""
     token = tl.program_id(0).to(tl.int64)
@@ -301,7 +322,7 @@ def _token_down_kernel(
                 n_mask = offs_n < N
                 w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k[None, :] < K), other=0.0)
                 acc += _widened(w, s_ptr + expert * stride_se, offs_n, n_mask, k0, K, stride_sn, BLOCK_N, BLOCK_K,
-                                SCALE_ROWS, SCALE_COLS) * a[None, :]  # fmt: skip
+                                SCALE_ROWS, SCALE_COLS, FNUZ) * a[None, :]  # fmt: skip
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -410,18 +431,20 @@ def _token_down_int4_kernel(
 @dataclasses.dataclass(frozen=True)
 class _Scales:
     """A weight's fp8 scales, or int4 scales and zero points, as the kernels take them: the tensors (one slab per
-    expert), and SCALE_ROWS / SCALE_COLS (see _widened) or INT4_GROUP (see _int4_tile). `PLAIN` stands for weights in
-    the model dtype."""
+    expert), and SCALE_ROWS / SCALE_COLS and FNUZ (see _widened) or INT4_GROUP (see _grouped_gemm_kernel). `PLAIN`
+    stands for weights in the model dtype."""
 
     tensor: torch.Tensor | None
     rows: int = 0
     cols: int = 0
     zeros: torch.Tensor | None = None  # int4: uint8 zero points, shaped (and so strided) as `tensor`
     group: int = 0  # int4: inputs per scale; 0: not int4
+    fnuz: bool = False  # fp8: the weights' e4m3fn bits are read as e4m3fnuz (see _fnuz)
 
     @classmethod
-    def of(cls, scale: torch.Tensor, block: tuple[int, int] | None) -> _Scales:
-        return cls(scale.contiguous(), 1, 0) if block is None else cls(scale.contiguous(), *block)
+    def of(cls, scale: torch.Tensor, block: tuple[int, int] | None, fnuz: bool = False) -> _Scales:
+        rows, cols = (1, 0) if block is None else block
+        return cls(scale.contiguous(), rows, cols, fnuz=fnuz)
 
     @classmethod
     def int4(cls, scale: torch.Tensor, zero_point: torch.Tensor, group_size: int, inputs: int) -> _Scales:
@@ -458,7 +481,7 @@ class _Scales:
         """The grouped GEMM's constexprs for this weight and activations of `dtype`."""
         if self.group:
             return {"INT4_GROUP": self.group, "MAGIC_16": _MAGIC_16.get(dtype, 0)}
-        return {"SCALE_ROWS": self.rows, "SCALE_COLS": self.cols}
+        return {"SCALE_ROWS": self.rows, "SCALE_COLS": self.cols, "FNUZ": self.fnuz}
 
 
 PLAIN = _Scales(None)
@@ -480,7 +503,7 @@ def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTi
     _slot_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
         x, w13, experts, act, expert_start, local, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
         scale, stride_se, stride_sn, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_ROWS=s13.rows,
-        SCALE_COLS=s13.cols, num_warps=num_warps,
+        SCALE_COLS=s13.cols, FNUZ=s13.fnuz, num_warps=num_warps,
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k, num_warps = bucket.down
@@ -488,7 +511,7 @@ def _moe_by_slot(x, weights, experts, w13, w2, top_k, expert_start, tiles: MoeTi
     _token_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
         act, w2, experts, weights, out, expert_start, local, hidden, inter, w2.stride(0), w2.stride(1),
         out.stride(0), scale, stride_se, stride_sn, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
-        SCALE_ROWS=s2.rows, SCALE_COLS=s2.cols, num_warps=num_warps,
+        SCALE_ROWS=s2.rows, SCALE_COLS=s2.cols, FNUZ=s2.fnuz, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -616,11 +639,14 @@ def fp8_fused_moe(
     expert_start: int = 0,
     block: tuple[int, int] | None = None,
     tiles: MoeTiles = DEFAULT,
+    fnuz: bool = False,
 ) -> torch.Tensor:
     """See omnirun.layers.native_ops.fp8_fused_moe (the reference): `fused_moe` whose kernels read the fp8 experts
     and widen each tile in registers (weight-only: the activations stay in x's dtype), each value times its scale in
     float32; the grouped GEMMs round it to x's dtype before the dot, as dequantizing at load does. Block scales
-    need power-of-two block columns (every fp8 checkpoint's 128), else the reference runs."""
+    need power-of-two block columns (every fp8 checkpoint's 128), else the reference runs. `fnuz`: the kernels read
+    the e4m3fn experts' bits as e4m3fnuz, the encoding an MI300 converts natively, and double the scales (_fnuz):
+    the same values, exactly."""
     from omnirun.layers import native_ops
 
     plain = x.dtype not in _KERNEL_DTYPES or x.dim() != 2 or w13.dtype != torch.float8_e4m3fn
@@ -628,7 +654,9 @@ def fp8_fused_moe(
         return native_ops.fp8_fused_moe(
             x, router_logits, w13, w13_scale, w2, w2_scale, top_k, renormalize, expert_start, block
         )
-    s13, s2 = _Scales.of(w13_scale, block), _Scales.of(w2_scale, block)
+    s13, s2 = _Scales.of(w13_scale, block, fnuz), _Scales.of(w2_scale, block, fnuz)
+    if fnuz:
+        w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
     return _mixture(x, router_logits, w13, w2, top_k, renormalize, expert_start, tiles, s13, s2)
 
 

@@ -225,9 +225,10 @@ def test_without_aiter_the_portable_parts_only(fake_gpu, monkeypatch: pytest.Mon
     assert rocm.attention_backends() == ("triton", "torch_native")
     assert rocm.default_attention_backend("decode") == rocm.default_attention_backend_for("decode", torch.bfloat16)
     assert rocm.default_attention_backend("decode") == "triton"
-    assert rocm.device_fused_ops() == {}
+    assert set(rocm.device_fused_ops()) == {"fp8_fused_moe"}  # an MI300X: fp8 experts on the Triton kernels
     monkeypatch.setattr(rocm_module, "triton_installed", lambda: False)
     no_triton = RocmPlatform()
+    assert no_triton.device_fused_ops() == {}
     assert no_triton.attention_backends() == ("torch_native",)
     assert no_triton.default_attention_backend("prefill") == "torch_native"
 
@@ -240,7 +241,8 @@ def test_with_aiter_it_is_offered_after_triton_and_only_on_request(fake_gpu, ait
         assert rocm.default_attention_backend(mode) == "triton"
         assert rocm.default_attention_backend_for(mode, torch.bfloat16) == "triton"
     ops = rocm.device_fused_ops()
-    assert set(ops) == {"rms_norm", "add_rms_norm", "fp8_linear", "prepare_fp8_linear", "fp8_linear_takes"}  # an MI300X
+    fp8 = {"fp8_linear", "prepare_fp8_linear", "fp8_linear_takes", "fp8_fused_moe"}  # an MI300X
+    assert set(ops) == {"rms_norm", "add_rms_norm", *fp8}
     assert set(rocm.fused_ops()) >= set(ops)  # aiter's norms replace the portable ones of the same name
     assert "int4_linear" in rocm.fused_ops()  # the portable Triton kernel, as without aiter
 
@@ -265,6 +267,29 @@ def test_fp8_linear_is_offered_on_cdna_gpus_with_fp8(fake_gpu, use_aiter, gcn_ar
     if kept is not None:
         weight = torch.zeros(16, 32, dtype=torch.float8_e4m3fn)
         assert ops.prepare_fp8_linear(weight, torch.ones(16), None).weight.dtype == kept
+
+
+@pytest.mark.parametrize(
+    ("gcn_arch_name", "fnuz"),
+    [
+        ("gfx942:sramecc+:xnack-", True),  # MI300X: e4m3fnuz, converted natively; the e4m3fn bits read as fnuz
+        ("gfx950:sramecc+:xnack-", False),  # MI355X: OCP e4m3, as stored
+        ("gfx1201", False),  # RX 9070 XT: OCP e4m3
+        ("gfx90a:sramecc+:xnack-", None),  # MI250: no fp8, the experts are dequantized at load
+    ],
+)
+def test_fp8_experts_stay_in_fp8_on_the_triton_kernels_where_the_gpu_has_fp8(
+    fake_gpu, monkeypatch: pytest.MonkeyPatch, gcn_arch_name, fnuz
+):
+    from omnirun.kernels.triton.moe import fp8_fused_moe
+    from omnirun.layers.ops import resolve_ops, runs_fp8_experts
+
+    monkeypatch.setattr(rocm_module, "aiter_installed", lambda: False)  # aiter or not
+    fake_gpu.arch = gcn_arch_name
+    ops = resolve_ops(RocmPlatform().fused_ops())
+    assert runs_fp8_experts(ops) == (fnuz is not None)
+    if fnuz is not None:
+        assert ops.fp8_fused_moe.func is fp8_fused_moe and ops.fp8_fused_moe.keywords["fnuz"] is fnuz
 
 
 def test_no_graph_runner_when_decode_runs_on_torch_native(fake_gpu, monkeypatch: pytest.MonkeyPatch):
