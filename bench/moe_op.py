@@ -179,7 +179,7 @@ QUANTIZED = {
         "fp8_decode",
         {"gate_up": [(4, 1024, 4), (8, 1024, 8)], "down": [(4, 1024, 4), (8, 512, 8)]},
         1.0,
-    ),  # fmt: skip
+    ),
     # int4: the GEMV's products want rows of 16 words or more a thread-step, as int4_linear's GEMV takes them
     "int4": Quantized(
         "int4",
@@ -192,14 +192,15 @@ QUANTIZED = {
             "down": [(8, 256, 4), (16, 256, 4), (32, 256, 4), (16, 256, 8), (16, 512, 4), (8, 128, 4), (16, 128, 4)],
         },
         0.5 + 5 / 128,  # the words, and a float32 scale and a uint8 zero point a group of 128
-    ),  # fmt: skip
+    ),
 }
 
 
-def quantized_row(fmt: Quantized, row, layers, x, logits, top_k, renormalize, table, floor_ms, platform, sweep):
+def quantized_row(fmt: Quantized, row, layers, x, logits, top_k, renormalize, table, floor_ms, platform, sweep, decode):
     """The format's op on each path at the table's tiles (the decode path at the format's): its time, its error
-    against the reference on the dequantized experts, and the floor of its bytes (`floor_ms`); with `sweep`, the
-    decode path's candidate tiles too, one kernel varied at a time, the other at the table's tile of the format."""
+    against the reference on the dequantized experts, and the floor of its bytes (`floor_ms`); with `sweep`, int4's
+    grouped tiles too, and with `decode` as well the decode path's candidate tiles, one kernel varied at a time, the
+    other at the table's tile of the format."""
     prefix = f"{fmt.name}_"
     expected = fmt.reference(x, logits, *layers[0], top_k, renormalize, 0, fmt.layout).float()
     row[f"{prefix}floor_ms"] = floor_ms
@@ -213,23 +214,21 @@ def quantized_row(fmt: Quantized, row, layers, x, logits, top_k, renormalize, ta
         got = fmt.op(x, logits, *layers[0], top_k, renormalize, 0, fmt.layout, tiles=tiles).float()
         row[f"{prefix}{path}_max_error"] = (got - expected).abs().max().item()
         row[f"{prefix}{path}_ms"] = graph_ms(platform, functools.partial(run, tiles))
-        if not sweep:
-            continue
-        if path == "grouped":
-            if fmt.name == "int4":  # int4's grouped GEMMs have tiles of their own
-                for tile in dict.fromkeys((*GROUPED_TILES, *INT4_GROUPED_TILES)):
-                    varied = dataclasses.replace(tiles, int4_grouped=(GroupedBucket(1 << 30, tile),))
-                    name = f"int4_grouped_tile_{'x'.join(map(str, tile))}_ms"
+        if sweep and path == "grouped" and fmt.name == "int4":  # int4's grouped GEMMs have tiles of their own
+            for tile in dict.fromkeys((*GROUPED_TILES, *INT4_GROUPED_TILES)):
+                varied = dataclasses.replace(tiles, int4_grouped=(GroupedBucket(1 << 30, tile),))
+                row[f"int4_grouped_tile_{'x'.join(map(str, tile))}_ms"] = graph_ms(
+                    platform, functools.partial(run, varied)
+                )
+        if sweep and decode and path == "by_slot":
+            current = tiles.slot_tiles(x.shape[0] * top_k, fmt.name)
+            fixed = {"gate_up": current.gate_up, "down": current.down}
+            for kernel, tried in SLOT_TILES.items():
+                for tile in dict.fromkeys((*tried, *fmt.slot_tiles[kernel])):
+                    bucket = DecodeBucket(1 << 30, **{**fixed, kernel: tile})
+                    varied = dataclasses.replace(tiles, **{fmt.table_key: (bucket,)})
+                    name = f"{prefix}by_slot_{kernel}_{'x'.join(map(str, tile))}_ms"
                     row[name] = graph_ms(platform, functools.partial(run, varied))
-            continue
-        decode = tiles.slot_tiles(x.shape[0] * top_k, fmt.name)
-        fixed = {"gate_up": decode.gate_up, "down": decode.down}
-        for kernel, tried in SLOT_TILES.items():
-            for tile in dict.fromkeys((*tried, *fmt.slot_tiles[kernel])):
-                bucket = DecodeBucket(1 << 30, **{**fixed, kernel: tile})
-                varied = dataclasses.replace(tiles, **{fmt.table_key: (bucket,)})
-                name = f"{prefix}by_slot_{kernel}_{'x'.join(map(str, tile))}_ms"
-                row[name] = graph_ms(platform, functools.partial(run, varied))
 
 
 def main() -> None:
@@ -302,10 +301,12 @@ def main() -> None:
                     platform, functools.partial(run, varied)
                 )
         for name, layers in formats.items():
-            fmt, sweep = QUANTIZED[name], args.sweep and batch * top_k <= args.sweep_slots_up_to
+            fmt, decode = QUANTIZED[name], batch * top_k <= args.sweep_slots_up_to
             fmt_floor_ms = floor_ms * fmt.bytes_per_weight / dtype.itemsize
             renormalize = shape.moe.renormalize
-            quantized_row(fmt, row, layers, x, logits, top_k, renormalize, table, fmt_floor_ms, platform, sweep)
+            quantized_row(
+                fmt, row, layers, x, logits, top_k, renormalize, table, fmt_floor_ms, platform, args.sweep, decode
+            )
         results.append(row)
         line = (
             f"bs={batch:4d} reached {reached:3d}: floor {floor_ms:7.3f} ms, matmul-only {row['matmul_only_ms']:7.3f}, "
