@@ -121,3 +121,46 @@ def test_omnirun_env_says_where_int4_experts_stay_packed():
         "awq/gptq 4-bit experts kept packed for int4_fused_moe" in platform_row(keeping_int4(CpuPlatform())).quantized
     )
     assert "int4_fused_moe" not in platform_row(CpuPlatform()).quantized
+
+
+@pytest.mark.parametrize(
+    "full, start, size, group, span",
+    [
+        (1536, 192, 192, 128, (64, 256)),  # Qwen3-235B-A22B-AWQ at TP 8, rank 1: inputs 128-383, its own 192-383
+        (1536, 0, 192, 128, (0, 256)),  # rank 0: 0-255, its own 0-191
+        (1536, 1344, 192, 128, (64, 192 + 64)),  # rank 7: 1,280-1,535, to the projection's end
+        (768, 384, 384, 128, (0, 384)),  # Qwen3-30B-A3B-AWQ at TP 2: whole groups
+        (768, 0, 768, -1, (0, 768)),  # one group over all the inputs, whole
+        (768, 192, 192, -1, None),  # one group over all the inputs, cut: dequantized at load
+        (96, 12, 12, 16, None),  # a cut word of eight inputs: dequantized at load
+    ],
+)
+def test_int4_experts_widen_a_rank_s_columns_to_whole_groups(full, start, size, group, span):
+    """A rank whose share of each expert's columns cuts the down projection's groups keeps the experts packed, its
+    columns widened to the groups they lie in (SparseMoE._int4_span: the columns before its first and after its last,
+    zeros); words cut, or the one group of group size -1 cut, dequantize at load."""
+    from omnirun.distributed.tensor_parallel import TensorParallel
+    from omnirun.layers.linear import Int4Weights
+    from omnirun.layers.ops import resolve_ops
+    from omnirun.layers.sharding import Slice
+
+    ops = resolve_ops(keeping_int4(CpuPlatform()).fused_ops())
+    with torch.device("meta"):
+        moe = SparseMoE(64, 4, range(4), 2, True, Slice(full, start, size), ops=ops, dtype=torch.float32,
+                        tp=TensorParallel.single(), quantized=Int4Weights(group))  # fmt: skip
+    if span is None:
+        assert moe.int4 is None and moe.w2.shape == (4, 64, size)
+        return
+    lead, padded = span
+    assert moe.int4 is not None and moe.lead == lead
+    assert moe.w13_packed.shape == (4, 2 * padded, 64 // 8) and moe.w2_packed.shape == (4, 64, padded // 8)
+    groups = 1 if group == -1 else padded // group
+    assert moe.w2_scale.shape == moe.w2_zero_point.shape == (4, 64, groups)
+    down = moe.expert_target(0, "down", "weight_packed")
+    assert (down.start, down.length) == (start // 8, size // 8) or (start, size) == (0, full)
+    scales = moe.expert_target(0, "down", "weight_scale")
+    if group != -1:
+        assert (scales.start, scales.length) == ((start - lead) // group, groups) or groups == full // group
+    gate, up = moe.expert_target(0, "gate", "weight_packed"), moe.expert_target(0, "up", "weight_packed")
+    words = 64 // 8  # a row of gate|up: the hidden size in words
+    assert gate.view.storage_offset() == lead * words and up.view.storage_offset() == (padded + lead) * words

@@ -53,7 +53,8 @@ KEPT_INT4 = "llama_awq_kept"
 # 32 intermediate columns are whole blocks; at TP 4 its 8 cut them, so the experts are dequantized at load
 KEPT_FP8_EXPERTS = "qwen3_moe_fp8_kept"
 # qwen3_moe as an AWQ checkpoint in groups of 16, experts kept packed (int4_fused_moe offered): at TP 2 each rank's 16
-# of the 32 intermediate columns are whole groups of the down projection; at TP 4 its 8 cut them: dequantized at load
+# of the 32 intermediate columns are whole groups of the down projection; at TP 4 its 8 cut them, and each rank widens
+# its columns to the whole group (8 of them zeros: SparseMoE._int4_span)
 KEPT_INT4_EXPERTS = "qwen3_moe_awq_kept"
 MODELS = (
     *ARCHITECTURES, *MOE_ARCHITECTURES, "llama_bias", "llama_fp8", KEPT_FP8, KEPT_INT4, KEPT_FP8_EXPERTS,
@@ -257,14 +258,15 @@ def test_kept_fp8_experts_stay_fp8_where_each_rank_holds_whole_blocks(tp_n, tp1)
         assert seen[KEPT_FP8_EXPERTS]["experts"] == f"top 2 of 8, {held}{op}"
 
 
-def test_kept_int4_experts_stay_packed_where_each_rank_holds_whole_groups(tp_n, tp1):
+def test_kept_int4_experts_stay_packed_on_every_rank_whole_groups_or_not(tp_n, tp1):
+    """At TP 4 each rank's 8 columns cut the down projection's groups of 16: the experts stay packed, each rank's
+    columns widened to whole groups (its logits and tokens are TP=1's: the test of every model above)."""
     world, ranks = tp_n
     kept = " packed in int4, int4_fused_moe omnirun.testing"
     assert tp1[KEPT_INT4_EXPERTS]["experts"] == f"top 2 of 8, every expert whole{kept}"
-    op = kept if world == 2 else ", fused_moe reference"  # at TP 4, 8 columns a rank cut groups of 16
     held = f"each expert's columns split {world} ways"
     for seen in ranks:
-        assert seen[KEPT_INT4_EXPERTS]["experts"] == f"top 2 of 8, {held}{op}"
+        assert seen[KEPT_INT4_EXPERTS]["experts"] == f"top 2 of 8, {held}{kept}"
 
 
 def test_kept_fp8_blocks_stay_fp8_on_every_rank(tp_n, tp1):

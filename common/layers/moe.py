@@ -10,9 +10,10 @@ all-reduce, as the dense MLP's are (the router and the tokens are the same on ev
 Experts a checkpoint stores in fp8 stay in fp8 where the platform runs `fp8_fused_moe` (and the split keeps each
 scale with one expert projection and one rank): `w13`/`w2` then hold the fp8 values and `w13_scale`/`w2_scale` the
 float32 scales, per output row or per block, stacked as the weights are. AWQ/GPTQ 4-bit experts stay packed where
-the platform runs `int4_fused_moe` (and the down projection's inputs on this rank are whole groups): `w13_packed`,
-`w13_scale`, `w13_zero_point` and `w2_*` hold each expert's rows in int4_linear's layout (Int4Weights), stacked.
-Elsewhere they are dequantized at load.
+the platform runs `int4_fused_moe` (and the down projection's inputs on this rank are whole words): `w13_packed`,
+`w13_scale`, `w13_zero_point` and `w2_*` hold each expert's rows in int4_linear's layout (Int4Weights), stacked. A
+rank whose columns cut the down projection's groups widens them to whole groups with columns of zeros (`lead`,
+_int4_span), as the kernels read a scale from a group's first input on. Elsewhere they are dequantized at load.
 """
 
 from __future__ import annotations
@@ -58,11 +59,14 @@ class SparseMoE(nn.Module):
         self.int4 = quantized if isinstance(quantized, Int4Weights) and self._keeps_int4(quantized, ops) else None
         self.hidden_size = hidden_size
         if self.int4 is not None:
-            for name, rows, inputs in (("w13", 2 * size, hidden_size), ("w2", hidden_size, size)):
+            # this rank's columns widened to whole groups of the down projection's inputs (see _int4_span); the
+            # columns it does not own stay zeros: gate and up rows of weight 0, so their activations are 0
+            self.lead, padded = self._int4_span()
+            for name, rows, inputs in (("w13", 2 * padded, hidden_size), ("w2", hidden_size, padded)):
                 groups = -(-inputs // self._group(inputs))
-                setattr(self, f"{name}_packed", _frozen(torch.empty(local, rows, inputs // 8, dtype=torch.int32)))
-                setattr(self, f"{name}_scale", _frozen(torch.empty(local, rows, groups)))
-                setattr(self, f"{name}_zero_point", _frozen(torch.empty(local, rows, groups, dtype=torch.uint8)))
+                setattr(self, f"{name}_packed", _frozen(torch.zeros(local, rows, inputs // 8, dtype=torch.int32)))
+                setattr(self, f"{name}_scale", _frozen(torch.zeros(local, rows, groups)))
+                setattr(self, f"{name}_zero_point", _frozen(torch.zeros(local, rows, groups, dtype=torch.uint8)))
         else:
             weight_dtype = dtype if self.fp8 is None else torch.float8_e4m3fn
             self.w13 = _frozen(torch.empty(local, 2 * size, hidden_size, dtype=weight_dtype))
@@ -92,16 +96,33 @@ class SparseMoE(nn.Module):
 
     def _keeps_int4(self, int4: Int4Weights, ops: Ops) -> bool:
         """Whether the experts stay packed: the platform runs `int4_fused_moe`, and this rank's inputs of the down
-        projection are whole groups and whole words of eight (gate's and up's rows split freely)."""
+        projection are whole words of eight, and whole groups unless groups of a set size (a rank's columns that cut
+        such groups are widened to whole ones, see _int4_span; one group over all the inputs is not widened)."""
         if not runs_int4_experts(ops):
             _say_once("this device runs no int4_fused_moe kernel: 4-bit experts are dequantized at load")
             return False
         part = self.columns
-        size = part.full if int4.group_size == -1 else int4.group_size
-        cut = part.start % size or (part.size % size and part.end != part.full) or part.start % 8 or part.size % 8
+        cut = part.start % 8 or part.size % 8
+        if int4.group_size == -1:
+            cut = cut or not part.is_whole
         if cut:
-            _say_once(f"int4 groups of {size} cut at expert columns {part}: the experts are dequantized at load")
+            what = f"its one int4 group of {part.full}" if int4.group_size == -1 else "int4 words of eight inputs"
+            _say_once(f"expert columns {part} cut {what}: the experts are dequantized at load")
         return not cut
+
+    def _int4_span(self) -> tuple[int, int]:
+        """(lead, padded): this rank's columns widened to whole groups of the down projection's inputs, as the
+        kernels read scales from the first input of a group: `lead` columns before its first (the rest of the group
+        it starts in) and `padded` in all (to the end of the group it ends in, or of the projection). Whole groups
+        already: (0, its columns). Qwen3-235B-A22B-AWQ at TP 8 holds 192 of 1,536 columns a rank, groups of 128:
+        rank 1 reads inputs 128-383, its own 192-383."""
+        part = self.columns
+        if self.int4.group_size == -1:
+            return 0, part.size
+        group = self.int4.group_size
+        lead = part.start % group
+        end = min(-(-part.end // group) * group, part.full)
+        return lead, end - (part.start - lead)
 
     def _group(self, inputs: int) -> int:
         """The kept 4-bit experts' inputs per scale for a projection of `inputs` inputs (group size -1: all of them,
@@ -175,13 +196,16 @@ class SparseMoE(nn.Module):
             raise KeyError(param)
         name = "w2" if projection == "down" else "w13"
         stacked = getattr(self, f"{name}_{param.removeprefix('weight_')}").data[expert - self.experts.start]
-        columns = self.columns
-        if projection == "down":  # this rank's inputs: whole words, and whole groups (`_keeps_int4`)
-            step = 8 if param == "weight_packed" else self._group(columns.full)
-            part = Slice(-(-columns.full // step), columns.start // step, -(-columns.size // step))
+        columns, lead, padded = self.columns, self.lead, self.w2_packed.shape[2] * 8
+        if projection == "down" and param == "weight_packed":  # this rank's inputs, whole words, after `lead`
+            part = Slice(columns.full // 8, columns.start // 8, columns.size // 8)
+            return ShardTarget.of(stacked.narrow(1, lead // 8, part.size), (self.hidden_size, part.full), 1, part)
+        if projection == "down":  # the groups this rank's (widened) inputs lie in, whole
+            step = self._group(columns.full)
+            part = Slice(-(-columns.full // step), (columns.start - lead) // step, stacked.shape[1])
             return ShardTarget.of(stacked, (self.hidden_size, part.full), 1, part)
         inputs = self.hidden_size // 8 if param == "weight_packed" else stacked.shape[1]
-        rows = stacked.narrow(0, 0 if projection == "gate" else columns.size, columns.size)
+        rows = stacked.narrow(0, lead if projection == "gate" else padded + lead, columns.size)
         return ShardTarget.of(rows, (columns.full, inputs), 0, columns)
 
     def _in_blocks(self, full: tuple[int, int], part: Slice, axis: int) -> tuple[tuple[int, int], Slice]:
