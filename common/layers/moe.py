@@ -122,7 +122,10 @@ class SparseMoE(nn.Module):
         group = self.int4.group_size
         lead = part.start % group
         end = min(-(-part.end // group) * group, part.full)
-        return lead, end - (part.start - lead)
+        padded = end - (part.start - lead)
+        if padded != part.size:
+            _say_once(f"expert columns {part} cut int4 groups of {group}: widened to {padded} columns (the rest zeros)")
+        return lead, padded
 
     def _group(self, inputs: int) -> int:
         """The kept 4-bit experts' inputs per scale for a projection of `inputs` inputs (group size -1: all of them,
