@@ -164,3 +164,42 @@ def test_int4_experts_widen_a_rank_s_columns_to_whole_groups(full, start, size, 
     gate, up = moe.expert_target(0, "gate", "weight_packed"), moe.expert_target(0, "up", "weight_packed")
     words = 64 // 8  # a row of gate|up: the hidden size in words
     assert gate.view.storage_offset() == lead * words and up.view.storage_offset() == (padded + lead) * words
+
+
+@pytest.mark.parametrize(
+    "full, start, size, block, span",
+    [
+        (1536, 192, 192, (128, 128), (64, 256)),  # Qwen3-235B-A22B-FP8 at TP 8, rank 1: columns 128-383
+        (1536, 1344, 192, (128, 128), (64, 256)),  # rank 7, to the projection's end
+        (768, 192, 192, (128, 128), (64, 256)),  # Qwen3-30B-A3B-FP8 at TP 4, rank 1
+        (96, 0, 96, (32, 64), (0, 96)),  # whole blocks of rows; the last column block partial, at the end
+        (48, 0, 48, (32, 32), None),  # whole, but gate's last block of rows would hold up's first: dequantized
+        (768, 0, 768, None, (0, 768)),  # per-row scales: never widened
+    ],
+)
+def test_fp8_experts_widen_a_rank_s_columns_to_whole_blocks(full, start, size, block, span):
+    """A rank whose share of each expert's columns cuts the fp8 blocks keeps the experts in fp8, its columns widened
+    to whole blocks of rows and columns (SparseMoE._fp8_span, zeros outside its own)."""
+    from omnirun.distributed.tensor_parallel import TensorParallel
+    from omnirun.layers.linear import Fp8Weights
+    from omnirun.layers.ops import resolve_ops
+    from omnirun.layers.sharding import Slice
+
+    ops = resolve_ops(keeping_fp8(CpuPlatform()).fused_ops())
+    with torch.device("meta"):
+        moe = SparseMoE(64, 4, range(4), 2, True, Slice(full, start, size), ops=ops, dtype=torch.float32,
+                        tp=TensorParallel.single(), quantized=Fp8Weights(block))  # fmt: skip
+    if span is None:
+        assert moe.fp8 is None and moe.w2.dtype == torch.float32
+        return
+    lead, padded = span
+    assert moe.fp8 is not None and moe.lead == lead
+    assert moe.w13.shape == (4, 2 * padded, 64) and moe.w2.shape == (4, 64, padded)
+    gate, up = moe.expert_target(0, "gate"), moe.expert_target(0, "up")
+    assert gate.view.storage_offset() == lead * 64 and up.view.storage_offset() == (padded + lead) * 64
+    if block is not None:
+        rows, cols = block
+        assert moe.w13_scale.shape == (4, 2 * padded // rows, -(-64 // cols))
+        assert moe.w2_scale.shape == (4, -(-64 // rows), -(-padded // cols))
+        scale = moe.expert_target(0, "up", "weight_scale")
+        assert scale.view.storage_offset() == padded // rows  # up's blocks after gate's

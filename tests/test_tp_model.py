@@ -50,7 +50,8 @@ KEPT_FP8 = "llama_fp8_kept"
 # 16 inputs a rank cut its groups, so those layers are dequantized at load and the others stay packed
 KEPT_INT4 = "llama_awq_kept"
 # qwen3_moe with fp8 experts in 16 x 16 blocks, kept in fp8 (fp8_fused_moe offered): at TP 2 each rank's 16 of the
-# 32 intermediate columns are whole blocks; at TP 4 its 8 cut them, so the experts are dequantized at load
+# 32 intermediate columns are whole blocks; at TP 4 its 8 cut them, and each rank widens its columns to the whole
+# block (8 of them zeros: SparseMoE._fp8_span)
 KEPT_FP8_EXPERTS = "qwen3_moe_fp8_kept"
 # qwen3_moe as an AWQ checkpoint in groups of 16, experts kept packed (int4_fused_moe offered): at TP 2 each rank's 16
 # of the 32 intermediate columns are whole groups of the down projection; at TP 4 its 8 cut them, and each rank widens
@@ -248,14 +249,15 @@ def test_expert_parallel_at_tp_n_equals_tp1(tp_n, tp1, name):
         assert seen[name]["experts"] == f"top 2 of 8, {held}{op}"
 
 
-def test_kept_fp8_experts_stay_fp8_where_each_rank_holds_whole_blocks(tp_n, tp1):
+def test_kept_fp8_experts_stay_fp8_on_every_rank_whole_blocks_or_not(tp_n, tp1):
+    """At TP 4 each rank's 8 columns cut the 16 x 16 blocks: the experts stay in fp8, each rank's columns widened to
+    whole blocks (its logits and tokens are TP=1's: the test of every model above)."""
     world, ranks = tp_n
     kept = " in fp8, fp8_fused_moe omnirun.testing"
     assert tp1[KEPT_FP8_EXPERTS]["experts"] == f"top 2 of 8, every expert whole{kept}"
-    op = kept if world == 2 else ", fused_moe reference"  # at TP 4, 8 columns a rank cut 16-wide blocks
     held = f"each expert's columns split {world} ways"
     for seen in ranks:
-        assert seen[KEPT_FP8_EXPERTS]["experts"] == f"top 2 of 8, {held}{op}"
+        assert seen[KEPT_FP8_EXPERTS]["experts"] == f"top 2 of 8, {held}{kept}"
 
 
 def test_kept_int4_experts_stay_packed_on_every_rank_whole_groups_or_not(tp_n, tp1):

@@ -7,19 +7,21 @@ parallelism every rank holds every expert's block of I columns; with expert para
 experts instead, and computes only the slots routed to them. Either way the ranks' partial outputs are summed by an
 all-reduce, as the dense MLP's are (the router and the tokens are the same on every rank).
 
-Experts a checkpoint stores in fp8 stay in fp8 where the platform runs `fp8_fused_moe` (and the split keeps each
-scale with one expert projection and one rank): `w13`/`w2` then hold the fp8 values and `w13_scale`/`w2_scale` the
+Experts a checkpoint stores in fp8 stay in fp8 where the platform runs `fp8_fused_moe` (and gate's rows fill whole
+blocks of rows, so that up's start a block): `w13`/`w2` then hold the fp8 values and `w13_scale`/`w2_scale` the
 float32 scales, per output row or per block, stacked as the weights are. AWQ/GPTQ 4-bit experts stay packed where
 the platform runs `int4_fused_moe` (and the down projection's inputs on this rank are whole words): `w13_packed`,
 `w13_scale`, `w13_zero_point` and `w2_*` hold each expert's rows in int4_linear's layout (Int4Weights), stacked. A
-rank whose columns cut the down projection's groups widens them to whole groups with columns of zeros (`lead`,
-_int4_span), as the kernels read a scale from a group's first input on. Elsewhere they are dequantized at load.
+rank whose columns cut the down projection's groups (int4) or the blocks (fp8) widens them to whole ones with columns
+of zeros (`lead`; _int4_span, _fp8_span), as the kernels read a scale from a group's or block's first column on.
+Elsewhere they are dequantized at load.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 from torch import nn
@@ -67,13 +69,17 @@ class SparseMoE(nn.Module):
                 setattr(self, f"{name}_packed", _frozen(torch.zeros(local, rows, inputs // 8, dtype=torch.int32)))
                 setattr(self, f"{name}_scale", _frozen(torch.zeros(local, rows, groups)))
                 setattr(self, f"{name}_zero_point", _frozen(torch.zeros(local, rows, groups, dtype=torch.uint8)))
+        elif self.fp8 is not None:
+            # as int4's: this rank's columns widened to whole blocks, the columns it does not own zeros (_fp8_span)
+            self.lead, padded = self._fp8_span()
+            self.w13 = _frozen(torch.zeros(local, 2 * padded, hidden_size, dtype=torch.float8_e4m3fn))
+            self.w2 = _frozen(torch.zeros(local, hidden_size, padded, dtype=torch.float8_e4m3fn))
+            self.w13_scale = _frozen(torch.zeros(local, *self._scale_shape(2 * padded, hidden_size)))
+            self.w2_scale = _frozen(torch.zeros(local, *self._scale_shape(hidden_size, padded)))
         else:
-            weight_dtype = dtype if self.fp8 is None else torch.float8_e4m3fn
-            self.w13 = _frozen(torch.empty(local, 2 * size, hidden_size, dtype=weight_dtype))
-            self.w2 = _frozen(torch.empty(local, hidden_size, size, dtype=weight_dtype))
-        if self.fp8 is not None:
-            self.w13_scale = _frozen(torch.empty(local, *self._scale_shape(2 * size, hidden_size)))
-            self.w2_scale = _frozen(torch.empty(local, *self._scale_shape(hidden_size, size)))
+            self.lead = 0
+            self.w13 = _frozen(torch.empty(local, 2 * size, hidden_size, dtype=dtype))
+            self.w2 = _frozen(torch.empty(local, hidden_size, size, dtype=dtype))
         self.comm, self.reduce = tp.comm, tp.size > 1
         self.shared_expert = shared  # an MLP whose down projection does its own all-reduce
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False, ops=ops, dtype=dtype) if shared else None
@@ -88,11 +94,21 @@ class SparseMoE(nn.Module):
         if fp8.block is None:
             return True
         rows, cols = fp8.block
-        part = self.columns
-        cut = part.size % rows or part.start % rows or part.start % cols or (part.size % cols and part.end != part.full)
-        if cut:
+        part, unit = self.columns, math.lcm(rows, cols)
+        lead = part.start % unit
+        padded = min(-(-part.end // unit) * unit, part.full) - (part.start - lead)
+        if padded % rows:  # gate's last block of rows would hold up's first rows in the stacked w13
             _say_once(f"fp8 blocks {list(fp8.block)} cut at expert columns {part}: the experts are dequantized at load")
-        return not cut
+            return False
+        return True
+
+    def _fp8_span(self) -> tuple[int, int]:
+        """(lead, padded) as _int4_span's, in whole blocks of rows and of columns (their least common multiple;
+        per-row scales: this rank's columns as they are): Qwen3-235B-A22B-FP8 at TP 8 holds 192 of 1,536 columns a
+        rank, blocks of 128 x 128."""
+        if self.fp8.block is None:
+            return 0, self.columns.size
+        return self._span(math.lcm(*self.fp8.block), "fp8 blocks")
 
     def _keeps_int4(self, int4: Int4Weights, ops: Ops) -> bool:
         """Whether the experts stay packed: the platform runs `int4_fused_moe`, and this rank's inputs of the down
@@ -116,15 +132,18 @@ class SparseMoE(nn.Module):
         it starts in) and `padded` in all (to the end of the group it ends in, or of the projection). Whole groups
         already: (0, its columns). Qwen3-235B-A22B-AWQ at TP 8 holds 192 of 1,536 columns a rank, groups of 128:
         rank 1 reads inputs 128-383, its own 192-383."""
-        part = self.columns
         if self.int4.group_size == -1:
-            return 0, part.size
-        group = self.int4.group_size
-        lead = part.start % group
-        end = min(-(-part.end // group) * group, part.full)
-        padded = end - (part.start - lead)
+            return 0, self.columns.size
+        return self._span(self.int4.group_size, "int4 groups")
+
+    def _span(self, unit: int, what: str) -> tuple[int, int]:
+        """This rank's columns widened to whole units of `unit` columns (the last may end at the projection's end):
+        (columns before its first, columns in all)."""
+        part = self.columns
+        lead = part.start % unit
+        padded = min(-(-part.end // unit) * unit, part.full) - (part.start - lead)
         if padded != part.size:
-            _say_once(f"expert columns {part} cut int4 groups of {group}: widened to {padded} columns (the rest zeros)")
+            _say_once(f"expert columns {part} cut {what} of {unit}: widened to {padded} columns (the rest zeros)")
         return lead, padded
 
     def _group(self, inputs: int) -> int:
@@ -168,23 +187,26 @@ class SparseMoE(nn.Module):
         if expert not in self.experts:
             return None
         expert -= self.experts.start
-        hidden, columns = self.w2.shape[1], self.columns
+        hidden, columns, lead, padded = self.w2.shape[1], self.columns, self.lead, self.w2.shape[2]
         scale = param == "weight_scale"
         if projection == "down":
             full = (hidden, columns.full)
             if scale and self.fp8.block is None:  # one per output row: the rows are whole on every rank
                 return ShardTarget.of(self.w2_scale.data[expert], (hidden,), 0, Slice.whole(hidden))
-            if scale:
-                full, columns = self._in_blocks(full, columns, axis=1)
-            view = (self.w2_scale if scale else self.w2).data[expert]
-            return ShardTarget.of(view, full, 1, columns)
+            if scale:  # the blocks this rank's (widened) inputs lie in, whole
+                full, columns = self._in_blocks(full, Slice(columns.full, columns.start - lead, padded), axis=1)
+                return ShardTarget.of(self.w2_scale.data[expert], full, 1, columns)
+            return ShardTarget.of(self.w2.data[expert].narrow(1, lead, columns.size), full, 1, columns)
         full = (columns.full, hidden)
         if scale and self.fp8.block is None:
             full = (columns.full,)
-        elif scale:
-            full, columns = self._in_blocks(full, columns, axis=0)
+        elif scale:  # the blocks of rows this rank's (widened) columns lie in, whole
+            full, columns = self._in_blocks(full, Slice(columns.full, columns.start - lead, padded), axis=0)
+            blocks = columns.size
+            return ShardTarget.of(self.w13_scale.data[expert].narrow(0, 0 if projection == "gate" else blocks, blocks),
+                                  full, 0, columns)  # fmt: skip
         stacked = (self.w13_scale if scale else self.w13).data[expert]
-        rows = stacked.narrow(0, 0 if projection == "gate" else columns.size, columns.size)
+        rows = stacked.narrow(0, lead if projection == "gate" else padded + lead, columns.size)
         return ShardTarget.of(rows, full, 0, columns)
 
     def _int4_target(self, expert: int, projection: str, param: str) -> ShardTarget | None:
