@@ -249,26 +249,22 @@ def test_expert_parallel_at_tp_n_equals_tp1(tp_n, tp1, name):
         assert seen[name]["experts"] == f"top 2 of 8, {held}{op}"
 
 
-def test_kept_fp8_experts_stay_fp8_on_every_rank_whole_blocks_or_not(tp_n, tp1):
-    """At TP 4 each rank's 8 columns cut the 16 x 16 blocks: the experts stay in fp8, each rank's columns widened to
-    whole blocks (its logits and tokens are TP=1's: the test of every model above)."""
+@pytest.mark.parametrize(
+    "name, kept",
+    [
+        (KEPT_FP8_EXPERTS, " in fp8, fp8_fused_moe omnirun.testing"),
+        (KEPT_INT4_EXPERTS, " packed in int4, int4_fused_moe omnirun.testing"),
+    ],
+)
+def test_kept_experts_stay_quantized_on_every_rank_whole_blocks_or_groups_or_not(tp_n, tp1, name, kept):
+    """At TP 4 each rank's 8 columns cut the 16 x 16 fp8 blocks and the down projection's int4 groups of 16: the
+    experts stay quantized, each rank's columns widened to whole blocks or groups (its logits and tokens are TP=1's:
+    the test of every model above)."""
     world, ranks = tp_n
-    kept = " in fp8, fp8_fused_moe omnirun.testing"
-    assert tp1[KEPT_FP8_EXPERTS]["experts"] == f"top 2 of 8, every expert whole{kept}"
+    assert tp1[name]["experts"] == f"top 2 of 8, every expert whole{kept}"
     held = f"each expert's columns split {world} ways"
     for seen in ranks:
-        assert seen[KEPT_FP8_EXPERTS]["experts"] == f"top 2 of 8, {held}{kept}"
-
-
-def test_kept_int4_experts_stay_packed_on_every_rank_whole_groups_or_not(tp_n, tp1):
-    """At TP 4 each rank's 8 columns cut the down projection's groups of 16: the experts stay packed, each rank's
-    columns widened to whole groups (its logits and tokens are TP=1's: the test of every model above)."""
-    world, ranks = tp_n
-    kept = " packed in int4, int4_fused_moe omnirun.testing"
-    assert tp1[KEPT_INT4_EXPERTS]["experts"] == f"top 2 of 8, every expert whole{kept}"
-    held = f"each expert's columns split {world} ways"
-    for seen in ranks:
-        assert seen[KEPT_INT4_EXPERTS]["experts"] == f"top 2 of 8, {held}{kept}"
+        assert seen[name]["experts"] == f"top 2 of 8, {held}{kept}"
 
 
 def test_kept_fp8_blocks_stay_fp8_on_every_rank(tp_n, tp1):

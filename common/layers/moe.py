@@ -94,9 +94,8 @@ class SparseMoE(nn.Module):
         if fp8.block is None:
             return True
         rows, cols = fp8.block
-        part, unit = self.columns, math.lcm(rows, cols)
-        lead = part.start % unit
-        padded = min(-(-part.end // unit) * unit, part.full) - (part.start - lead)
+        part = self.columns
+        _, padded = _widened(part, math.lcm(rows, cols))
         if padded % rows:  # gate's last block of rows would hold up's first rows in the stacked w13
             _say_once(f"fp8 blocks {list(fp8.block)} cut at expert columns {part}: the experts are dequantized at load")
             return False
@@ -137,11 +136,9 @@ class SparseMoE(nn.Module):
         return self._span(self.int4.group_size, "int4 groups")
 
     def _span(self, unit: int, what: str) -> tuple[int, int]:
-        """This rank's columns widened to whole units of `unit` columns (the last may end at the projection's end):
-        (columns before its first, columns in all)."""
+        """This rank's columns widened to whole units of `unit` columns (_widened), said once where widened."""
         part = self.columns
-        lead = part.start % unit
-        padded = min(-(-part.end // unit) * unit, part.full) - (part.start - lead)
+        lead, padded = _widened(part, unit)
         if padded != part.size:
             _say_once(f"expert columns {part} cut {what} of {unit}: widened to {padded} columns (the rest zeros)")
         return lead, padded
@@ -259,6 +256,13 @@ class SparseMoE(nn.Module):
 
 
 @functools.cache
+def _widened(part: Slice, unit: int) -> tuple[int, int]:
+    """`part` widened to whole units of `unit` columns (the last may end at the projection's end): (columns before its
+    first, columns in all)."""
+    lead = part.start % unit
+    return lead, min(-(-part.end // unit) * unit, part.full) - (part.start - lead)
+
+
 def _say_once(line: str) -> None:
     """One log line however many layers say it."""
     logger.info(line)
