@@ -6,6 +6,8 @@ Used by the conformance suite that every lane (and every out-of-tree platform) r
 
 from __future__ import annotations
 
+import selectors
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -281,3 +283,15 @@ def fill_prefixes(kv: KVMemory, prefix_lens: list[int]) -> list[int]:
                 kv.alloc_tokens([row], [held[i]], [end])
                 held[i] = end
     return rows
+
+
+def read_line_within(process: subprocess.Popen, seconds: float) -> str:
+    """The next line a child prints on its stdout (a text pipe), or an AssertionError with its stderr's tail after
+    `seconds`: a child that hangs before it speaks must fail the test, never hold the whole run."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(seconds):
+            process.kill()
+            stderr = process.communicate()[1] or ""
+            raise AssertionError(f"no line from the child within {seconds:.0f} s:\n{stderr[-4000:]}")
+    return process.stdout.readline()

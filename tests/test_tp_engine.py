@@ -24,6 +24,7 @@ from omnirun.engine.engine import Engine
 from omnirun.errors import EngineStepError, WeightUpdateError, WorkerError
 from omnirun.launch import start_runner
 from omnirun.sampling import SamplingParams
+from omnirun.testing import read_line_within
 
 MODEL = default_model_dir()
 FLAGS = dict(device="cpu", dtype="float32", progress=False, seed=0)
@@ -156,7 +157,7 @@ def test_workers_exit_when_their_parent_is_killed():
         [sys.executable, "-c", _PARENT, MODEL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        line = parent.stdout.readline()
+        line = read_line_within(parent, 300)
         match = re.match(r"WORKER (\d+)", line)
         assert match, line + parent.stderr.read()[-2000:]
         worker_pid = int(match.group(1))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+from omnirun.testing import read_line_within
+
 _CHILD = textwrap.dedent(
     """
     import json, sys, threading, time
@@ -50,7 +52,8 @@ def test_ctrl_c_during_generate_aborts_its_requests_and_the_llm_goes_on(device_n
         [sys.executable, "-c", _CHILD, device_name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        assert child.stdout.readline().strip() == "generating", child.stderr.read()
+        # (bounded: a child that hangs while loading or generating fails the test instead of holding the run)
+        assert read_line_within(child, 300).strip() == "generating", child.stderr.read()
         child.send_signal(signal.SIGINT)
         out, err = child.communicate(timeout=120)
     finally:

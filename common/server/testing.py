@@ -48,15 +48,19 @@ def wait_until_healthy(url: str, server: subprocess.Popen, *, timeout_s: float =
     output if it exits first, or when `timeout_s` passes."""
     import httpx
 
-    deadline = time.monotonic() + timeout_s
+    deadline, answer = time.monotonic() + timeout_s, "no answer"
     while True:
         assert server.poll() is None, server.communicate()
         try:
-            if httpx.get(f"{url}/health").status_code == 200:
+            status = httpx.get(f"{url}/health").status_code
+            if status == 200:
                 return
-        except httpx.TransportError:
-            assert time.monotonic() < deadline, f"the server did not start within {timeout_s:.0f} s"
-            time.sleep(0.2)
+            answer = f"/health answered {status}"
+        except httpx.TransportError as exc:
+            answer = f"no answer ({exc!r})"
+        # (a server that answers, but never 200, must time out too)
+        assert time.monotonic() < deadline, f"the server was not healthy within {timeout_s:.0f} s: {answer}"
+        time.sleep(0.2)
 
 
 def script_pieces(script: str) -> list[str]:
