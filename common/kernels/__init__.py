@@ -24,4 +24,4 @@ def portable_fused_ops(capabilities: Capabilities) -> dict[str, Callable[..., An
         return {}
     from omnirun.kernels.triton.ops import triton_fused_ops  # imports triton: only once a device says it runs it
 
-    return triton_fused_ops(device_name=capabilities.device_name)
+    return triton_fused_ops(device_name=capabilities.device_name, fp8_e4m3_dtype=capabilities.fp8_e4m3_dtype)

@@ -119,13 +119,9 @@ class CudaPlatform(Platform):
         own = {**skinny_linear_ops(pdl=pdl), "argmax": TritonArgmax(pdl=pdl)}
         if self.capabilities.fp8:  # fp8 tensor cores and row-wise _scaled_mm: sm89 and later
             from omnirun.devices.cuda import fp8_linear
-            from omnirun.kernels.triton.moe import fp8_fused_moe
-            from omnirun.kernels.triton.moe_tiles import tiles_for
 
             own["fp8_linear"] = fp8_linear.fp8_linear
             own["fp8_linear_takes"] = fp8_linear.takes
-            # fp8 experts widened in registers (Triton's e4m3 conversion: sm89 and later), the fused_moe tiles
-            own["fp8_fused_moe"] = functools.partial(fp8_fused_moe, tiles=tiles_for(self.capabilities.device_name))
         portable = triton_fused_ops(pdl=True, device_name=self.capabilities.device_name) if pdl else {}
         return {**portable, **own}
 

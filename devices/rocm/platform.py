@@ -4,12 +4,11 @@ Where amd-aiter is installed it adds AMD's own parts: the `aiter` attention back
 aiter's rms norms as fused ops (in place of triton's, which stay the fallback aiter does not cover), and on CDNA GPUs
 with fp8 (MI300, MI350) `fp8_linear` on aiter's W8A8 GEMMs, so that fp8 checkpoints keep their fp8 weights. Where
 Triton runs on a GPU with fp8, fp8 experts stay in fp8 on the portable Triton `fp8_fused_moe` (read as e4m3fnuz on
-an MI300), aiter or not.
+an MI300: omnirun.kernels.triton.ops.triton_fused_ops), aiter or not.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -107,19 +106,6 @@ class RocmPlatform(Platform):
             return (f"aiter's fused_moe only on request ({AITER_MOE_ENV}=1): not yet measured against Triton's",)
         return ()
 
-    def _fp8_experts(self) -> dict[str, Callable[..., Any]]:
-        """fp8 checkpoint experts kept in fp8 (`fp8_fused_moe`) on the portable Triton kernels, where the GPU has fp8
-        and Triton runs: an MI300 (gfx942, e4m3fnuz) reads the e4m3fn bits as fnuz and doubles the scales (Triton
-        converts fnuz natively there, OCP e4m3 in software); an MI350 or RDNA4 reads them as stored."""
-        caps = self.capabilities
-        if caps.fp8_e4m3_dtype is None or not offers_triton(caps):
-            return {}
-        from omnirun.kernels.triton.moe import fp8_fused_moe  # imports triton: only once it runs here
-        from omnirun.kernels.triton.moe_tiles import tiles_for
-
-        fnuz = caps.fp8_e4m3_dtype == torch.float8_e4m3fnuz
-        return {"fp8_fused_moe": functools.partial(fp8_fused_moe, tiles=tiles_for(caps.device_name), fnuz=fnuz)}
-
     def graph_api(self) -> GraphAPI:
         return torch_cuda_graph_api()  # HIP graphs, behind torch.cuda
 
@@ -132,9 +118,8 @@ class RocmPlatform(Platform):
         return (AttentionOffer(AITER, _build_aiter, dtypes=HALF_DTYPES, on_request=True),)
 
     def device_fused_ops(self) -> dict[str, Callable[..., Any]]:
-        ops = self._fp8_experts()
         if not aiter_installed():
-            return ops
+            return {}
         import aiter
 
         from omnirun.devices.rocm.aiter_fp8 import aiter_fp8_ops
@@ -142,7 +127,7 @@ class RocmPlatform(Platform):
 
         caps = self.capabilities
         portable = portable_fused_ops(caps)
-        ops.update(aiter_norm_ops(fallback=portable))
+        ops = aiter_norm_ops(fallback=portable)
         # aiter's fused MoE only on request, and only over a graph-safe portable fused_moe (Triton's) for what it
         # hands back: the reference picks experts on the host, which a captured decode step cannot hold.
         if self.aiter_moe_requested() and "fused_moe" in portable:

@@ -7,7 +7,8 @@ adds the `ipex` attention backend and IPEX's fused ops (device_shared/ipex_*.py,
 installed IPEX has the functions: `int4_linear` on its weight-only-quantized linear (ipex_int4.py; layers it cannot
 take run the portable Triton kernel where triton runs, else the reference) and `fp8_linear` on its fp8 weight GEMM
 (ipex_fp8.py; else the reference). IPEX's last release pins torch 2.10, which has no XPUGraph: on real installs IPEX
-and XPU graphs never meet.
+and XPU graphs never meet. Where Triton runs, IPEX or not, the portable Triton ops include `fp8_fused_moe`: fp8
+experts stay in fp8 (omnirun.kernels.triton.ops.triton_fused_ops).
 """
 
 from __future__ import annotations

@@ -387,10 +387,19 @@ def rotary_embedding(
     return q, k
 
 
-def triton_fused_ops(pdl: bool = False, device_name: str | None = None) -> dict[str, Callable[..., Any]]:
+def triton_fused_ops(
+    pdl: bool = False, device_name: str | None = None, fp8_e4m3_dtype: torch.dtype | None = None
+) -> dict[str, Callable[..., Any]]:
     """The op table entries these kernels provide, for a platform's `fused_ops()`; `pdl`: launched with
     programmatic dependent launch (`omnirun.kernels.triton.pdl`), for platforms that have it; `device_name`: whose
-    launch tables to read (omnirun.kernels.triton.moe_tiles)."""
+    launch tables to read (omnirun.kernels.triton.moe_tiles); `fp8_e4m3_dtype`: the device's fp8 (Capabilities),
+    None where it has none.
+
+    Experts kept in fp8 (`fp8_fused_moe`) wherever the device has fp8: the kernels widen each tile in registers, a
+    conversion Triton compiles on NVIDIA GPUs from sm89 (those whose capabilities say fp8), on AMD GPUs with fp8 and on
+    Intel GPUs (in software there: intel-xpu-backend-for-triton's XPUOptions lists fp8e4nv; convert_custom_float8).
+    An e4m3fnuz device (an MI300) reads the e4m3fn bits as fnuz, the encoding it converts natively, with the scales
+    doubled: the same values (moe.py::_fnuz)."""
     ops = {
         "rms_norm": rms_norm,
         "add_rms_norm": add_rms_norm,
@@ -401,20 +410,24 @@ def triton_fused_ops(pdl: bool = False, device_name: str | None = None) -> dict[
         ops = {name: functools.partial(op, pdl=True) for name, op in ops.items()}
     from omnirun.kernels.triton import int4_linear  # W4A16 (AWQ, GPTQ): integer unpacking, 16-bit dots
     from omnirun.kernels.triton.matmul import batch_invariant_linear  # deterministic mode's linear layers
-    from omnirun.kernels.triton.moe import fused_moe, int4_fused_moe  # two grouped GEMMs each, graph-capturable
+    from omnirun.kernels.triton.moe import fp8_fused_moe, fused_moe, int4_fused_moe  # graph-capturable
     from omnirun.kernels.triton.moe_tiles import tiles_for
     from omnirun.kernels.triton.penalties import apply_penalties  # the penalties in one pass over the logits
     from omnirun.kernels.triton.sample import sample  # sort-free sampling (bench/sample_op.py measures it)
     from omnirun.kernels.triton.token_bitmask import apply_token_bitmask  # a grammar's mask in one pass
 
+    tiles = tiles_for(device_name)
+    if fp8_e4m3_dtype is not None:
+        fnuz = fp8_e4m3_dtype == torch.float8_e4m3fnuz
+        ops["fp8_fused_moe"] = functools.partial(fp8_fused_moe, tiles=tiles, fnuz=fnuz)
     return {
         **ops,
         "batch_invariant_linear": batch_invariant_linear,
         "sample": sample,
         "apply_penalties": apply_penalties,
         "apply_token_bitmask": apply_token_bitmask,
-        "fused_moe": functools.partial(fused_moe, tiles=tiles_for(device_name)),
-        "int4_fused_moe": functools.partial(int4_fused_moe, tiles=tiles_for(device_name)),
+        "fused_moe": functools.partial(fused_moe, tiles=tiles),
+        "int4_fused_moe": functools.partial(int4_fused_moe, tiles=tiles),
         "int4_linear": int4_linear.int4_linear,
         "int4_linear_takes": int4_linear.takes,
     }

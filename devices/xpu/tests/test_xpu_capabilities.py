@@ -81,6 +81,23 @@ def test_triton_with_intel_backend(
     assert "triton" not in sys.modules
 
 
+@pytest.mark.parametrize("intel_triton", [True, False])
+def test_fp8_experts_stay_in_fp8_on_the_triton_kernels_where_triton_runs(
+    monkeypatch: pytest.MonkeyPatch, fake_xpu, intel_triton
+) -> None:
+    """No IPEX here: fp8 experts on the portable Triton `fp8_fused_moe` (the OCP bits as stored), else dequantized."""
+    pytest.importorskip("triton", reason="the portable Triton kernels need triton")
+    from omnirun.devices.xpu import platform as xpu_module
+    from omnirun.kernels.triton.moe import fp8_fused_moe
+    from omnirun.layers.ops import resolve_ops, runs_fp8_experts
+
+    monkeypatch.setattr(xpu_module, "_intel_triton_installed", lambda: intel_triton)
+    ops = resolve_ops(XpuPlatform().fused_ops())
+    assert runs_fp8_experts(ops) is intel_triton
+    if intel_triton:
+        assert ops.fp8_fused_moe.func is fp8_fused_moe and ops.fp8_fused_moe.keywords["fnuz"] is False
+
+
 def test_generic_triton_cannot_compile_for_xpu(
     monkeypatch: pytest.MonkeyPatch, tmp_path, fake_xpu, write_package, triton_unimported
 ) -> None:
