@@ -133,17 +133,18 @@ def randomize_constant_parameters(model: torch.nn.Module, seed: int) -> list[str
     return changed
 
 
-# The quantized ops whose weights the platform may re-lay (a `prepare_` hook); fp8_fused_moe reads them as loaded.
-PREPARED = ("fp8_linear", "int4_linear")
+# The quantized ops whose weights the platform may re-lay (a `prepare_` hook), and how many of the tensors after x
+# (and the router logits, for a mixture) the hook is given; fp8_fused_moe reads them as loaded.
+PREPARED = {"fp8_linear": 2, "int4_linear": 3, "int4_fused_moe": 6}
 
 
 def keeping_quantized(platform: Platform, *ops: str) -> Platform:
     """`platform` offering the references of the quantized ops `ops` ("fp8_linear", "int4_linear", "fp8_fused_moe",
     "int4_fused_moe") as if they were its kernels: layers then keep a checkpoint's quantized weights where the device
     has no kernel for them, so that the kept path (loading, sharding, the op's calls) is tested on any device. Calls
-    are counted per op in the returned platform's `calls`. The linear ops' `prepare_` hooks are offered too: each
-    copies the tensors it is given, and the op checks that the `prepared` it receives equals the tensors it
-    multiplies by (so a form left stale by a weight update fails)."""
+    are counted per op in the returned platform's `calls`. The `prepare_` hooks of the ops in PREPARED are offered
+    too: each copies the tensors it is given, and the op checks that the `prepared` it receives equals the tensors
+    it multiplies by (so a form left stale by a weight update fails)."""
 
     class KeepsQuantized(type(platform)):
         calls = dict.fromkeys(ops, 0)
@@ -151,12 +152,13 @@ def keeping_quantized(platform: Platform, *ops: str) -> Platform:
         def device_fused_ops(self):
             def counted(name: str):
                 reference = getattr(Ops(), name)
-                held = 2 if name == "fp8_linear" else 3  # what prepare copies: weight, scale | words, scales, zeros
+                first = 1 if name.endswith("fused_moe") else 0  # a mixture's weights follow the router logits
+                weights = slice(first, first + PREPARED.get(name, 0))
 
                 def op(x, *args):
                     prepared = args[-1]  # layers pass it last
                     if name in PREPARED and (
-                        not isinstance(prepared, tuple) or not all(map(torch.equal, prepared, args[:held]))
+                        not isinstance(prepared, tuple) or not all(map(torch.equal, prepared, args[weights]))
                     ):
                         raise AssertionError(f"{name} was not given the prepared form of its current weights")
                     type(self).calls[name] += 1

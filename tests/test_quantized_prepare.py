@@ -1,7 +1,7 @@
-"""The platform's prepared form of kept quantized weights (the op table's `prepare_fp8_linear` and
-`prepare_int4_linear`): made after loading, handed to the op with every call, and made again after a weight update,
-so that a vendor layout never goes stale. The test platform's ops (omnirun.testing.keeping_quantized) refuse a
-`prepared` that differs from the tensors they multiply by."""
+"""The platform's prepared form of kept quantized weights (the op table's `prepare_fp8_linear`,
+`prepare_int4_linear` and `prepare_int4_fused_moe`): made after loading, handed to the op with every call, and made
+again after a weight update, so that a vendor layout never goes stale. The test platform's ops
+(omnirun.testing.keeping_quantized) refuse a `prepared` that differs from the tensors they multiply by."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.layers import native_ops
+from omnirun.layers.moe import SparseMoE
 from omnirun.layers.ops import resolve_ops
 from omnirun.testing import keeping_fp8, keeping_int4, make_runner
 from quantized_checkpoints import prefill_logits, write_fp8_checkpoint, write_int4_checkpoint
@@ -35,9 +36,27 @@ def test_a_weight_update_of_a_kept_layer_is_prepared_again_before_the_next_step(
         runner.close()
 
 
+def test_a_weight_update_of_kept_4_bit_experts_is_prepared_again_before_the_next_step(tmp_path):
+    write_int4_checkpoint(tmp_path, "qwen3_moe", "awq", 16)
+    runner = make_runner(keeping_int4(CpuPlatform()), tmp_path)
+    try:
+        layers = runner.model.model.layers
+        index, moe = next((i, layer.mlp) for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoE))
+        assert moe.prepared is not None and torch.equal(moe.prepared[4], moe.w2_scale)
+        before = prefill_logits(runner)
+        name = f"model.layers.{index}.mlp.experts.1.down_proj.weight_scale"
+        runner.update_weights_from_tensor([(name, runner.get_weights_by_name(name) * 2)])
+        assert torch.equal(moe.prepared[4], moe.w2_scale)  # the op would refuse a stale form
+        assert not torch.equal(prefill_logits(runner), before)
+    finally:
+        runner.close()
+
+
 def test_a_platform_offering_a_prepare_hook_without_its_op_is_told_why():
     with pytest.raises(ValueError, match=r"^a platform offering `prepare_int4_linear` must offer `int4_linear` too"):
         resolve_ops({"prepare_int4_linear": native_ops.prepare_int4_linear})
+    with pytest.raises(ValueError, match=r"^a platform offering `prepare_int4_fused_moe` must offer `int4_fused_moe`"):
+        resolve_ops({"prepare_int4_fused_moe": native_ops.prepare_int4_fused_moe})
 
 
 def test_a_layer_the_platform_s_op_does_not_take_is_dequantized_at_load(tmp_path):

@@ -279,7 +279,8 @@ def _op_inputs(name: str, dtype: torch.dtype, device: torch.device, fused: dict)
             return packed.to(torch.int32).to(device), scale.to(device), zero.to(device)
 
         w13, w2 = experts(2 * 64, 200), experts(200, 64)
-        return rand(7, 200), logits.to(device), *w13, *w2, 2, True, 0, 32
+        prepare = fused.get("prepare_int4_fused_moe", native_ops.prepare_int4_fused_moe)
+        return rand(7, 200), logits.to(device), *w13, *w2, 2, True, 0, 32, prepare(*w13, *w2, 32)
     if name == "fp8_linear":
         # Decode-sized rows, 128 x 128 blocks with partial last ones; a larger batch is the kernels' own test.
         weight = (torch.randn(200, 384, generator=gen) * 8).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)

@@ -80,6 +80,7 @@ class SparseMoE(nn.Module):
             self.lead = 0
             self.w13 = _frozen(torch.empty(local, 2 * size, hidden_size, dtype=dtype))
             self.w2 = _frozen(torch.empty(local, hidden_size, size, dtype=dtype))
+        self.prepared = None  # the platform's form of kept 4-bit experts (see prepare)
         self.comm, self.reduce = tp.comm, tp.size > 1
         self.shared_expert = shared  # an MLP whose down projection does its own all-reduce
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False, ops=ops, dtype=dtype) if shared else None
@@ -153,12 +154,22 @@ class SparseMoE(nn.Module):
             return (rows,)
         return (-(-rows // self.fp8.block[0]), -(-cols // self.fp8.block[1]))
 
+    def prepare(self) -> None:
+        """Hand kept 4-bit experts to the platform's `prepare_int4_fused_moe` (after loading and after each weight
+        update, as Linear.prepare does); what it makes is passed to `int4_fused_moe`."""
+        if self.int4 is not None:
+            self.prepared = self.ops.prepare_int4_fused_moe(
+                self.w13_packed, self.w13_scale, self.w13_zero_point, self.w2_packed, self.w2_scale,
+                self.w2_zero_point, self.int4.group_size,
+            )  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         if self.int4 is not None:
             out = self.ops.int4_fused_moe(
                 x, logits, self.w13_packed, self.w13_scale, self.w13_zero_point, self.w2_packed, self.w2_scale,
                 self.w2_zero_point, self.top_k, self.renormalize, self.experts.start, self.int4.group_size,
+                self.prepared,
             )  # fmt: skip
         elif self.fp8 is not None:
             out = self.ops.fp8_fused_moe(

@@ -130,6 +130,20 @@ def prepare_int4_linear(
     return None
 
 
+def prepare_int4_fused_moe(
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_zero_point: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_zero_point: torch.Tensor,
+    group_size: int,
+) -> Any:
+    """A device-preferred form of a mixture's kept 4-bit experts (a vendor's packing), made as `prepare_fp8_linear`'s
+    is: after loading and after each weight update; the loaded tensors stay as they are."""
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x), with the statistic in float32 and the scale applied in the input dtype (as HF)."""
     x32 = x.float()
@@ -231,9 +245,11 @@ def int4_fused_moe(
     renormalize: bool,
     expert_start: int = 0,
     group_size: int = 128,
+    prepared: Any = None,
 ) -> torch.Tensor:
     """`fused_moe` of experts kept in 4 bits (Ops.int4_fused_moe has the layouts): the experts dequantized to x's
-    dtype, as a model whose experts were dequantized at load holds them, then the reference."""
+    dtype, as a model whose experts were dequantized at load holds them, then the reference. `prepared` is what the
+    platform's `prepare_int4_fused_moe` made of them (unused here)."""
     return fused_moe(
         x,
         router_logits,

@@ -35,9 +35,12 @@ class Ops:
     # A mixture of experts that kept its checkpoint's 4-bit experts (AWQ, GPTQ): (x, router logits, w13_packed int32
     # [n, 2I, H / 8], w13_scale float32 [n, 2I, ceil(H / G)], w13_zero_point uint8 [n, 2I, ceil(H / G)], w2_packed
     # [n, H, I / 8], w2_scale, w2_zero_point [n, H, ceil(I / G)], top_k, renormalize, expert_start, group_size G (-1:
-    # one group over each projection's whole input)) -> [T, H]; each expert's rows in int4_linear's layout. Offered
-    # only where a kernel runs it: with the reference alone, 4-bit experts are dequantized at load.
+    # one group over each projection's whole input), prepared) -> [T, H]; each expert's rows in int4_linear's
+    # layout. Offered only where a kernel runs it: with the reference alone, 4-bit experts are dequantized at load.
     int4_fused_moe: Callable[..., Any] = native_ops.int4_fused_moe
+    # The platform's form of kept 4-bit experts: (w13_packed, w13_scale, w13_zero_point, w2_packed, w2_scale,
+    # w2_zero_point, group_size) -> Any, passed to `int4_fused_moe` as `prepared` (None: it reads the loaded tensors).
+    prepare_int4_fused_moe: Callable[..., Any] = native_ops.prepare_int4_fused_moe
     argmax: Callable[..., Any] = native_ops.argmax  # greedy sampling's pick (the sampler's, not a layer's)
     # A sampled row's pick: (logits [B, V], SamplingBatch) -> int64 [B], filtered by temperature, top-k, top-p and
     # min-p, drawn with the batch's counter-based random numbers.
@@ -115,7 +118,7 @@ def resolve_ops(fused: Mapping[str, Callable[..., Any]]) -> Ops:
         raise ValueError(f"platform offers fused ops omnirun does not know: {unknown}; known: {list(OP_NAMES)}")
     if ("linear" in fused) != ("prepare_linear" in fused):
         raise ValueError("a platform offering `linear` must offer `prepare_linear` too (they agree on a format)")
-    for op in ("fp8_linear", "int4_linear"):
+    for op in ("fp8_linear", "int4_linear", "int4_fused_moe"):
         for hook in (f"prepare_{op}", f"{op}_takes"):
             if hook in fused and op not in fused:
                 raise ValueError(f"a platform offering `{hook}` must offer `{op}` too (it is about that op)")

@@ -332,7 +332,7 @@ class DecoderForCausalLM(nn.Module):
     def prepare_weights(self) -> None:
         """Give the platform its look at every matmul weight (after loading, and after each weight update)."""
         for module in self.modules():
-            if isinstance(module, (Linear, LMHead)):
+            if isinstance(module, (Linear, LMHead, SparseMoE)):
                 module.prepare()
 
     def checkpoint_target(self, name: str) -> ShardTarget | None:

@@ -97,7 +97,7 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 )
 def test_int4_experts_equal_the_reference(tokens, dtype, group, hidden, inter, tiles, path):
     x, logits, w13, w2 = _inputs(tokens, hidden, inter, experts=5, dtype=dtype, group=group)
-    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles)
+    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles=tiles)
     expected = native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group)
     assert got.dtype == x.dtype and got.shape == x.shape
     torch.testing.assert_close(got.float(), expected.float(), **_tolerance(dtype))
@@ -113,10 +113,10 @@ def test_int4_experts_of_one_rank_under_expert_parallelism(start, path):
         mine = slice(first, first + 2)
         return *(t[mine] for t in w13), *(t[mine] for t in w2)
 
-    part = int4_fused_moe(x, logits, *rank(start), 2, False, start, 32, STEPS_32)
+    part = int4_fused_moe(x, logits, *rank(start), 2, False, start, 32, tiles=STEPS_32)
     expected = native_ops.int4_fused_moe(x, logits, *rank(start), 2, False, start, 32)
     torch.testing.assert_close(part, expected, atol=1e-5, rtol=1e-5)
-    whole = part + int4_fused_moe(x, logits, *rank(2 - start), 2, False, 2 - start, 32, STEPS_32)
+    whole = part + int4_fused_moe(x, logits, *rank(2 - start), 2, False, 2 - start, 32, tiles=STEPS_32)
     expected = native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, False, 0, 32)
     torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
 
@@ -173,7 +173,7 @@ def test_int4_experts_take_the_decode_path_as_far_as_their_own_bound(monkeypatch
     paths = []
     monkeypatch.setattr(moe, "_moe_by_slot", lambda *args: paths.append("by_slot") or args[0])
     x, logits, w13, w2 = _inputs(4, hidden=32, inter=16, experts=4, dtype=torch.float32, group=32)
-    int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, 32, table)  # 8 slots over 4 experts: 2 an expert
+    int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, 32, tiles=table)  # 8 slots over 4 experts: 2 an expert
     assert paths == ["by_slot"]
 
 
@@ -202,7 +202,7 @@ def test_int4_experts_launch_their_decode_kernels_at_the_table_s_tiles(group, bl
         monkeypatch.setattr(moe, name, _recording(launched, name, ("BLOCK_N", "BLOCK_K", "num_warps")))
     tiles = dataclasses.replace(STEPS_32, int4_decode=(DecodeBucket(1 << 30, (16, 64, 2), (32, 64, 1)),))
     x, logits, w13, w2 = _inputs(1, hidden=96, inter=48, experts=4, dtype=torch.float32, group=group)
-    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles)
+    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles=tiles)
     expected = native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert launched == [("_slot_gate_up_int4_kernel", 16, block_k, 2), ("_token_down_int4_kernel", 32, block_k, 1)]
@@ -223,7 +223,7 @@ def test_int4_experts_launch_the_grouped_gemms_at_their_own_tiles(group, block_k
         int4_grouped=(GroupedBucket(1, (16, 32, 128, 4, 1)), GroupedBucket(4, (32, 64, 64, 4, 1))),
     )
     x, logits, w13, w2 = _inputs(6, hidden=128, inter=64, experts=4, dtype=torch.float32, group=group)
-    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles)  # 12 slots over 4 experts: 3 an expert
+    got = int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group, tiles=tiles)  # 12 slots over 4 experts: 3 an expert
     expected = native_ops.int4_fused_moe(x, logits, *w13, *w2, 2, True, 0, group)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert launched == [("_grouped_gemm_kernel", 32, 64, block_k)] * 2

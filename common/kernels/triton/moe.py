@@ -31,6 +31,7 @@ Importing this module imports triton; the capability gate (omnirun.kernels) offe
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -673,9 +674,11 @@ def int4_fused_moe(
     renormalize: bool,
     expert_start: int = 0,
     group_size: int = 128,
+    prepared: Any = None,
     tiles: MoeTiles = DEFAULT,
 ) -> torch.Tensor:
-    """See omnirun.layers.native_ops.int4_fused_moe (the reference; Ops.int4_fused_moe has the layouts): `fused_moe`
+    """See omnirun.layers.native_ops.int4_fused_moe (the reference; Ops.int4_fused_moe has the layouts; `prepared`
+    unused: the kernels read the loaded words): `fused_moe`
     whose kernels read the experts' int32 words (weight-only: the activations stay in x's dtype) and multiply by
     q - zero, each group's partial product then by its scale, in float32 (the reference dequantizes to x's dtype
     first: the two round differently, within x's precision). Groups of a multiple of 16 inputs (every checkpoint's
