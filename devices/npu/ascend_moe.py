@@ -80,78 +80,121 @@ ROUTING_SIZE_LIMIT = 1 << 24  # npu_moe_init_routing's x and npu_moe_compute_exp
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def takes_routing(x: torch.Tensor, router_logits: torch.Tensor, local: int, top_k: int) -> bool:
+    """Whether the routing kernels take these tokens for `local` experts (shapes and dtypes only: no host read,
+    graph-safe)."""
+    if x.dim() != 2 or router_logits.dim() != 2:
+        return False
+    return (
+        x.dtype in _DTYPES
+        and router_logits.is_floating_point()
+        and router_logits.shape[0] == x.shape[0]
+        and x.shape[0] > 0
+        and 0 < top_k <= min(router_logits.shape[1], TOP_K_MAX)
+        and 0 < local <= GROUPS_MAX
+        and x.shape[1] < INNER_LIMIT
+    )
+
+
 def _on_the_kernels(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int
 ) -> bool:
     """Whether the kernels' documented constraints hold (shapes and dtypes only: no host read, graph-safe)."""
-    if x.dim() != 2 or router_logits.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+    if w13.dim() != 3 or w2.dim() != 3 or not takes_routing(x, router_logits, w13.shape[0], top_k):
         return False
-    tokens, hidden = x.shape
-    experts, inter = w13.shape[0], w2.shape[2]
+    experts, inter, hidden = w13.shape[0], w2.shape[2], x.shape[1]
     return (
-        x.dtype in _DTYPES
-        and w13.dtype == x.dtype
+        w13.dtype == x.dtype
         and w2.dtype == x.dtype
-        and router_logits.is_floating_point()
-        and router_logits.shape[0] == tokens
-        and tokens > 0
         and w13.shape == (experts, 2 * inter, hidden)
         and w2.shape == (experts, hidden, inter)
         and w13.is_contiguous()
         and w2.is_contiguous()
-        and 0 < top_k <= min(router_logits.shape[1], TOP_K_MAX)
-        and 0 < experts <= GROUPS_MAX
-        and hidden < INNER_LIMIT
         and inter < INNER_LIMIT
+    )
+
+
+# A projection of every local expert: (the routed rows sorted by expert [T*k, K], the cumulative rows per expert) ->
+# [T*k, N].
+Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def routed_experts(
+    torch_npu: Any,
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    local: int,
+    top_k: int,
+    renormalize: bool,
+    expert_start: int,
+    gate_up: Projection,
+    down: Projection,
+) -> torch.Tensor:
+    """The mixture on the routing kernels, each projection a grouped matmul given by the caller (takes_routing said
+    they take it). init_routing's x and the T*k sorted ids stay below 2^24 elements: long prefills go in several
+    calls."""
+    per_call = (ROUTING_SIZE_LIMIT - 1) // max(x.shape[1], top_k)
+    parts = [
+        _routed(torch_npu, x[s : s + per_call], router_logits[s : s + per_call], local, top_k, renormalize,
+                expert_start, gate_up, down)
+        for s in range(0, x.shape[0], per_call)
+    ]  # fmt: skip
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _routed(
+    torch_npu: Any,
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    local: int,
+    top_k: int,
+    renormalize: bool,
+    expert_start: int,
+    gate_up: Projection,
+    down: Projection,
+) -> torch.Tensor:
+    tokens = x.shape[0]
+    weights, ids, row_idx = torch_npu.npu_moe_gating_top_k_softmax(router_logits.float(), None, k=top_k)
+    if renormalize:  # the kernel does softmax then top-k, nothing more
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    whole = expert_start == 0 and local == router_logits.shape[1]
+    if not whole:  # expert parallelism: other ranks' experts go to local expert 0, their rows zeroed below
+        ids = ids - expert_start
+        mine = (ids >= 0) & (ids < local)
+        ids = torch.where(mine, ids, 0)
+    expanded_x, expanded_row_idx, sorted_ids = torch_npu.npu_moe_init_routing(
+        x, row_idx=row_idx, expert_idx=ids, active_num=tokens
+    )
+    counts = torch_npu.npu_moe_compute_expert_tokens(sorted_ids, local).to(torch.int64)  # cumulative
+    rows = down(torch_npu.npu_swiglu(gate_up(expanded_x, counts), dim=-1), counts)  # [T*k, H]; gate_up: [gate | up]
+    if not whole:
+        # Slot (i, j) sits at row expanded_row_idx[j*T + i]: the slot order of mine.t().
+        mine_by_slot = mine.t().reshape(-1)
+        mine_by_row = torch.zeros_like(mine_by_slot).scatter_(0, expanded_row_idx.long(), mine_by_slot)
+        rows = rows.masked_fill(~mine_by_row[:, None], 0)
+    return torch_npu.npu_moe_finalize_routing(
+        rows,
+        skip1=None,
+        skip2=None,
+        bias=None,
+        scales=weights.to(x.dtype),
+        expanded_src_to_dst_row=expanded_row_idx,
+        export_for_source_row=ids,
     )
 
 
 def ascend_fused_moe(torch_npu: Any) -> Callable[..., torch.Tensor]:
     """`fused_moe` on torch_npu's MoE kernels where their constraints hold, else the reference."""
 
-    def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return torch_npu.npu_grouped_matmul(
-            x=[rows], weight=[weight], split_item=2, group_list_type=0, group_type=0, group_list=counts
-        )[0]
+    def grouped_matmul(weight: torch.Tensor) -> Projection:
+        # [n, N, K] transposed: the GEMM's [n, K, N] as a view (see 4. above)
+        def project(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            return torch_npu.npu_grouped_matmul(
+                x=[rows], weight=[weight.transpose(1, 2)], split_item=2, group_list_type=0, group_type=0,
+                group_list=counts,
+            )[0]  # fmt: skip
 
-    def experts(
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-        expert_start: int,
-    ) -> torch.Tensor:
-        tokens, local = x.shape[0], w13.shape[0]
-        weights, ids, row_idx = torch_npu.npu_moe_gating_top_k_softmax(router_logits.float(), None, k=top_k)
-        if renormalize:  # the kernel does softmax then top-k, nothing more
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        whole = expert_start == 0 and local == router_logits.shape[1]
-        if not whole:  # expert parallelism: other ranks' experts go to local expert 0, their rows zeroed below
-            ids = ids - expert_start
-            mine = (ids >= 0) & (ids < local)
-            ids = torch.where(mine, ids, 0)
-        expanded_x, expanded_row_idx, sorted_ids = torch_npu.npu_moe_init_routing(
-            x, row_idx=row_idx, expert_idx=ids, active_num=tokens
-        )
-        counts = torch_npu.npu_moe_compute_expert_tokens(sorted_ids, local).to(torch.int64)  # cumulative
-        gate_up = grouped_matmul(expanded_x, w13.transpose(1, 2), counts)  # [T*k, 2I]: [gate | up]
-        down = grouped_matmul(torch_npu.npu_swiglu(gate_up, dim=-1), w2.transpose(1, 2), counts)  # [T*k, H]
-        if not whole:
-            # Slot (i, j) sits at row expanded_row_idx[j*T + i]: the slot order of mine.t().
-            mine_by_slot = mine.t().reshape(-1)
-            mine_by_row = torch.zeros_like(mine_by_slot).scatter_(0, expanded_row_idx.long(), mine_by_slot)
-            down = down.masked_fill(~mine_by_row[:, None], 0)
-        return torch_npu.npu_moe_finalize_routing(
-            down,
-            skip1=None,
-            skip2=None,
-            bias=None,
-            scales=weights.to(x.dtype),
-            expanded_src_to_dst_row=expanded_row_idx,
-            export_for_source_row=ids,
-        )
+        return project
 
     def fused_moe(
         x: torch.Tensor,
@@ -164,14 +207,9 @@ def ascend_fused_moe(torch_npu: Any) -> Callable[..., torch.Tensor]:
     ) -> torch.Tensor:
         if not _on_the_kernels(x, router_logits, w13, w2, top_k):
             return native_ops.fused_moe(x, router_logits, w13, w2, top_k, renormalize, expert_start)
-        # init_routing's x and the T*k sorted ids stay below 2^24 elements: long prefills go in several calls.
-        per_call = (ROUTING_SIZE_LIMIT - 1) // max(x.shape[1], top_k)
-        if x.shape[0] <= per_call:
-            return experts(x, router_logits, w13, w2, top_k, renormalize, expert_start)
-        parts = [
-            experts(x[s : s + per_call], router_logits[s : s + per_call], w13, w2, top_k, renormalize, expert_start)
-            for s in range(0, x.shape[0], per_call)
-        ]
-        return torch.cat(parts)
+        return routed_experts(
+            torch_npu, x, router_logits, w13.shape[0], top_k, renormalize, expert_start, grouped_matmul(w13),
+            grouped_matmul(w2),
+        )  # fmt: skip
 
     return fused_moe

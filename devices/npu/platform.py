@@ -44,6 +44,11 @@ INT4_NOTE = (
     "int4 layers run npu_weight_quant_batchmatmul in bf16/fp16 models, for groups of a multiple of 32 inputs or one "
     "per row; other int4 layers (float32 models, groups of 16) are dequantized at load"
 )
+# What kept int4 experts run (omnirun.devices.npu.ascend_moe_int4).
+INT4_MOE_NOTE = (
+    "int4 experts run npu_grouped_matmul's antiquant mode in bf16/fp16 models, their int4 bytes held twice (the "
+    "loaded words and the kernel's); experts whose groups do not divide their inputs run the reference"
+)
 
 
 class NpuPlatform(Platform):
@@ -128,12 +133,14 @@ class NpuPlatform(Platform):
         torch_npu = self._torch_npu()
         if torch_npu is None:
             return {}
+        from omnirun.devices.npu.ascend_moe_int4 import ascend_int4_moe_ops
         from omnirun.devices.npu.ascend_ops import ascend_fused_ops
         from omnirun.devices.npu.ascend_quant import ascend_int4_ops
 
         # The int4 kernels depend on the SoC, which only an available device names.
         soc = self.capabilities.device_name if self.probe().available else ""
-        return {**ascend_fused_ops(torch_npu), **ascend_int4_ops(torch_npu, soc)}
+        int4 = {**ascend_int4_ops(torch_npu, soc), **ascend_int4_moe_ops(torch_npu, soc)}
+        return {**ascend_fused_ops(torch_npu), **int4}
 
     def notes(self) -> tuple[str, ...]:
         if not self.probe().available:
@@ -143,8 +150,11 @@ class NpuPlatform(Platform):
             notes = [f"no ascend attention and no NPU graphs: {missing}"]
         else:
             notes = ["ascend attention and NPU graphs for bf16/fp16 models; float32 runs torch_native, eagerly"]
-        if "int4_linear" in self.device_fused_ops():
+        ops = self.device_fused_ops()
+        if "int4_linear" in ops:
             notes.append(INT4_NOTE)
+        if "int4_fused_moe" in ops:
+            notes.append(INT4_MOE_NOTE)
         return tuple(notes)
 
     @property

@@ -583,17 +583,34 @@ def _moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
 
 
 def _grouped_matmul(
-    x, weight, *, bias=None, group_list=None, split_item=0, group_type=-1, group_list_type=0, output_dtype=None
+    x,
+    weight,
+    *,
+    bias=None,
+    antiquant_scale=None,
+    antiquant_offset=None,
+    group_list=None,
+    split_item=0,
+    group_type=-1,
+    group_list_type=0,
+    output_dtype=None,
 ):
-    """Non-quantised, x/weight/y single tensors grouped on M (group_type 0): y[rows of g] = x[rows of g] @ w[g]."""
+    """x/weight/y single tensors grouped on M (group_type 0): y[rows of g] = x[rows of g] @ w[g]. Non-quantised, or
+    antiquant (formula 4) for an int4 weight carried as int32 [E, K, N / 8]: w[g] = (w[g] + antiquant_offset[g]) *
+    antiquant_scale[g] in x's dtype, per group [E, G, N] (G dividing K) or per channel [E, N], the product in float32
+    (as npu_weight_quant_batchmatmul's golden)."""
     _require(len(x) == 1 and len(weight) == 1, "not faked: several x or weight tensors")
     _require(bias is None, "not faked: bias")
     _require(group_type == 0 and split_item in (2, 3), "single x, weight and y: group_type 0, split_item 2 or 3")
     x, w = x[0], weight[0]
     _require(x.dim() == 2 and w.dim() == 3, "npu_grouped_matmul: x [M, K] 2-D, weight [E, K, N] 3-D")
-    _require(x.dtype in FLOATS and w.dtype == x.dtype, "npu_grouped_matmul: x and weight in one float dtype")
-    _require(output_dtype in (None, x.dtype), "npu_grouped_matmul: a non-quantised y is in x's dtype")
     _require(x.is_contiguous(), "npu_grouped_matmul: x must not be transposed")
+    if w.dtype == torch.int32:
+        w = _antiquantized(x, w, antiquant_scale, antiquant_offset, output_dtype)
+    else:
+        _require(antiquant_scale is None and antiquant_offset is None, "antiquant: int8/int4 weights only")
+        _require(x.dtype in FLOATS and w.dtype == x.dtype, "npu_grouped_matmul: x and weight in one float dtype")
+        _require(output_dtype in (None, x.dtype), "npu_grouped_matmul: a non-quantised y is in x's dtype")
     transposed = not w.is_contiguous()
     _require(not transposed or w.transpose(1, 2).is_contiguous(), "weight: contiguous, or a contiguous one transposed")
     _require(x.shape[1] == w.shape[1], f"npu_grouped_matmul: x's K {x.shape[1]}, weight's {w.shape[1]}")
@@ -612,6 +629,33 @@ def _grouped_matmul(
         y[start : start + size] = (x[start : start + size].float() @ w[group].float()).to(x.dtype)
         start += size
     return [y]
+
+
+def _antiquantized(x, words, scale, offset, output_dtype):
+    """The int4 weight [E, K, N] antiquantized in x's dtype (the grouped matmul's formula 4 and table 2)."""
+    _require(x.dtype in HALF, f"npu_grouped_matmul antiquant: x float16/bfloat16, got {x.dtype}")
+    _require(output_dtype in (None, x.dtype), "npu_grouped_matmul antiquant: y in x's dtype")
+    _require(words.is_contiguous(), "not faked: a transposed int4 weight")
+    experts, k, _ = words.shape
+    w = _unpack_int4(words.reshape(experts * k, -1)).view(experts, k, -1)  # [E, K, N]
+    n = w.shape[2]
+    _require(n % 2 == 0, "npu_grouped_matmul: an int4 weight's last dimension even")
+    _require(scale is not None and len(scale) == 1, "npu_grouped_matmul antiquant: one antiquant_scale tensor")
+    scale = scale[0]
+    _require(scale.dtype == x.dtype, "npu_grouped_matmul: antiquant_scale in x's dtype")
+    per_group = scale.dim() == 3
+    wanted = (experts, scale.shape[1], n) if per_group else (experts, n)
+    _require(scale.shape == wanted, f"antiquant_scale [E, G, N] or [E, N], got {tuple(scale.shape)}")
+    groups = scale.shape[1] if per_group else 1
+    _require(k % groups == 0, f"npu_grouped_matmul: pergroup G must divide K, got G {groups}, K {k}")
+    expand = (lambda t: t.repeat_interleave(k // groups, dim=1)) if per_group else (lambda t: t[:, None, :])
+    antiquantized = w.to(x.dtype)
+    if offset is not None:
+        _require(len(offset) == 1, "npu_grouped_matmul antiquant: one antiquant_offset tensor")
+        offset = offset[0]
+        _require(offset.shape == scale.shape and offset.dtype == scale.dtype, "antiquant_offset: antiquant_scale's")
+        antiquantized = antiquantized + expand(offset)
+    return antiquantized * expand(scale)
 
 
 def _moe_finalize_routing(
@@ -663,8 +707,9 @@ _NPU_SCHEMAS = {
         _moe_compute_expert_tokens,
     ),
     "npu_grouped_matmul": (
-        "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor? group_list=None, "
-        "int? split_item=0, int? group_type=-1, int? group_list_type=0, ScalarType? output_dtype=None) -> Tensor[]",
+        "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? antiquant_scale=None, "
+        "Tensor[]? antiquant_offset=None, Tensor? group_list=None, int? split_item=0, int? group_type=-1, "
+        "int? group_list_type=0, ScalarType? output_dtype=None) -> Tensor[]",
         _grouped_matmul,
     ),
     "npu_moe_finalize_routing": (

@@ -427,9 +427,12 @@ def test_platform_offers_ascend_graphs_and_ops(fake_npu):
         "int4_linear",  # Atlas A2 runs int4pack weights (test_ascend_quant.py); fp8_linear is never offered
         "prepare_int4_linear",
         "int4_linear_takes",
+        "int4_fused_moe",  # and int4 experts on npu_grouped_matmul (test_ascend_moe_int4.py)
+        "prepare_int4_fused_moe",
     }
     assert "ascend attention and NPU graphs" in fake_npu.notes()[0]
     assert fake_npu.notes()[1].startswith("int4 layers run npu_weight_quant_batchmatmul")
+    assert fake_npu.notes()[2].startswith("int4 experts run npu_grouped_matmul's antiquant mode")
 
 
 def test_without_nnal_no_ascend_and_no_graphs(fake_npu, monkeypatch):
