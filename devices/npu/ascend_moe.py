@@ -133,54 +133,39 @@ def routed_experts(
     """The mixture on the routing kernels, each projection a grouped matmul given by the caller (takes_routing said
     they take it). init_routing's x and the T*k sorted ids stay below 2^24 elements: long prefills go in several
     calls."""
-    per_call = (ROUTING_SIZE_LIMIT - 1) // max(x.shape[1], top_k)
-    parts = [
-        _routed(torch_npu, x[s : s + per_call], router_logits[s : s + per_call], local, top_k, renormalize,
-                expert_start, gate_up, down)
-        for s in range(0, x.shape[0], per_call)
-    ]  # fmt: skip
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _routed(
-    torch_npu: Any,
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    local: int,
-    top_k: int,
-    renormalize: bool,
-    expert_start: int,
-    gate_up: Projection,
-    down: Projection,
-) -> torch.Tensor:
-    tokens = x.shape[0]
-    weights, ids, row_idx = torch_npu.npu_moe_gating_top_k_softmax(router_logits.float(), None, k=top_k)
-    if renormalize:  # the kernel does softmax then top-k, nothing more
-        weights = weights / weights.sum(dim=-1, keepdim=True)
     whole = expert_start == 0 and local == router_logits.shape[1]
-    if not whole:  # expert parallelism: other ranks' experts go to local expert 0, their rows zeroed below
-        ids = ids - expert_start
-        mine = (ids >= 0) & (ids < local)
-        ids = torch.where(mine, ids, 0)
-    expanded_x, expanded_row_idx, sorted_ids = torch_npu.npu_moe_init_routing(
-        x, row_idx=row_idx, expert_idx=ids, active_num=tokens
-    )
-    counts = torch_npu.npu_moe_compute_expert_tokens(sorted_ids, local).to(torch.int64)  # cumulative
-    rows = down(torch_npu.npu_swiglu(gate_up(expanded_x, counts), dim=-1), counts)  # [T*k, H]; gate_up: [gate | up]
-    if not whole:
-        # Slot (i, j) sits at row expanded_row_idx[j*T + i]: the slot order of mine.t().
-        mine_by_slot = mine.t().reshape(-1)
-        mine_by_row = torch.zeros_like(mine_by_slot).scatter_(0, expanded_row_idx.long(), mine_by_slot)
-        rows = rows.masked_fill(~mine_by_row[:, None], 0)
-    return torch_npu.npu_moe_finalize_routing(
-        rows,
-        skip1=None,
-        skip2=None,
-        bias=None,
-        scales=weights.to(x.dtype),
-        expanded_src_to_dst_row=expanded_row_idx,
-        export_for_source_row=ids,
-    )
+
+    def routed(x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids, row_idx = torch_npu.npu_moe_gating_top_k_softmax(router_logits.float(), None, k=top_k)
+        if renormalize:  # the kernel does softmax then top-k, nothing more
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not whole:  # expert parallelism: other ranks' experts go to local expert 0, their rows zeroed below
+            ids = ids - expert_start
+            mine = (ids >= 0) & (ids < local)
+            ids = torch.where(mine, ids, 0)
+        expanded_x, expanded_row_idx, sorted_ids = torch_npu.npu_moe_init_routing(
+            x, row_idx=row_idx, expert_idx=ids, active_num=x.shape[0]
+        )
+        counts = torch_npu.npu_moe_compute_expert_tokens(sorted_ids, local).to(torch.int64)  # cumulative
+        rows = down(torch_npu.npu_swiglu(gate_up(expanded_x, counts), dim=-1), counts)  # [T*k, H]; [gate | up]
+        if not whole:
+            # Slot (i, j) sits at row expanded_row_idx[j*T + i]: the slot order of mine.t().
+            mine_by_slot = mine.t().reshape(-1)
+            mine_by_row = torch.zeros_like(mine_by_slot).scatter_(0, expanded_row_idx.long(), mine_by_slot)
+            rows = rows.masked_fill(~mine_by_row[:, None], 0)
+        return torch_npu.npu_moe_finalize_routing(
+            rows,
+            skip1=None,
+            skip2=None,
+            bias=None,
+            scales=weights.to(x.dtype),
+            expanded_src_to_dst_row=expanded_row_idx,
+            export_for_source_row=ids,
+        )
+
+    per_call = (ROUTING_SIZE_LIMIT - 1) // max(x.shape[1], top_k)
+    parts = [routed(x[s : s + per_call], router_logits[s : s + per_call]) for s in range(0, x.shape[0], per_call)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def ascend_fused_moe(torch_npu: Any) -> Callable[..., torch.Tensor]:

@@ -28,13 +28,6 @@ CONTEXT_LEN, HEAD_DIM, PREFIX_LENS = 96, 32, [0, 9, 40, 70]
 DTYPE = torch.bfloat16
 
 
-@pytest.fixture
-def torch_npu(monkeypatch):
-    module = fake.make_fake_torch_npu()
-    monkeypatch.setitem(sys.modules, "torch_npu", module)
-    return module
-
-
 def _lane():
     spec = importlib.util.spec_from_file_location("omnirun_npu_fake_lane", HERE / "fake_lane.py")
     module = importlib.util.module_from_spec(spec)

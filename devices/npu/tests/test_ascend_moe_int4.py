@@ -30,13 +30,6 @@ TOKENS, EXPERTS, HIDDEN, INTER = 9, 6, 64, 32
 TOLERANCE = {"atol": 3e-2, "rtol": 2e-2}
 
 
-@pytest.fixture
-def torch_npu(monkeypatch):
-    module = fake.make_fake_torch_npu()
-    monkeypatch.setitem(sys.modules, "torch_npu", module)
-    return module
-
-
 def _int4_grouped_matmuls(monkeypatch, torch_npu) -> list[int]:
     """Counts the grouped matmuls given an int4 weight (the op reads the attribute on each call)."""
     calls = []

@@ -31,13 +31,6 @@ import fake_torch_npu as fake  # noqa: E402
 A2 = "Ascend910B3"
 
 
-@pytest.fixture
-def torch_npu(monkeypatch):
-    module = fake.make_fake_torch_npu()
-    monkeypatch.setitem(sys.modules, "torch_npu", module)
-    return module
-
-
 def _counted(monkeypatch, torch_npu) -> list[int]:
     """Counts the kernel's calls (the op reads the attribute on each call)."""
     calls = []
