@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 _PROC = Path("/proc")
@@ -55,11 +56,23 @@ def peak_rss(proc: Path = _PROC) -> int:
 
 
 def reset_peak_rss(proc: Path = _PROC) -> None:
-    """Restart VmHWM from the current RSS (Linux: writing 5 to clear_refs); a no-op where not permitted."""
+    """Restart VmHWM from the current RSS (Linux: writing 5 to clear_refs); a no-op where not permitted.
+
+    The heap's freed pages go back to the kernel first: glibc keeps them resident, and a later allocation served
+    from them would not raise the resident size, so the peak would miss it (a 128 MiB tensor did, in CI).
+    """
+    _trim_heap()
     try:
         (proc / "self" / "clear_refs").write_text("5")
     except OSError:
         pass
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0): unmap the free pages of every malloc arena; nothing where the C library lacks it."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _cgroup_limit(cgroup: Path) -> tuple[int, int] | None:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from omnirun.devices.cpu.host_memory import host_memory_info, peak_rss, reset_peak_rss
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def _proc(tmp_path: Path, total_kib: int, available_kib: int) -> Path:
@@ -61,6 +65,22 @@ def test_peak_rss_reads_vmhwm_and_reset_tolerates_read_only_procfs(tmp_path):
     assert peak_rss(proc) == 2048 * 1024
     (proc / "self" / "clear_refs").mkdir()  # writing to a directory fails like a read-only procfs
     reset_peak_rss(proc)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_the_peak_counts_an_allocation_served_from_freed_heap_pages():
+    # Freed small blocks stay resident in glibc's heap; a large block carved from them raises no resident size
+    # unless the reset gave those pages back to the kernel first.
+    raised_threshold = torch.ones(30 * MIB, dtype=torch.uint8)  # freeing it lifts glibc's mmap threshold to 30 MiB
+    del raised_threshold
+    small = [torch.ones(MIB, dtype=torch.uint8) for _ in range(300)]  # from the heap now, not mmap
+    last = small[-1]  # pins the heap's top, so the 299 freed blocks below it stay resident
+    del small
+    reset_peak_rss()
+    before = peak_rss()
+    block = torch.ones(128 * MIB, dtype=torch.uint8)
+    assert peak_rss() >= before + 0.9 * block.numel()
+    del block, last
 
 
 def test_real_machine_figures_are_sane():

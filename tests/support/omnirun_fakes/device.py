@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from omnirun.devices.cpu.host_memory import peak_rss, reset_peak_rss
 from omnirun.facts import GraphAPI
 from omnirun.host_event import HostEvent
 from omnirun.memory import PagedKVCache
 
-_PROC_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
 # Reading a device value on the host: impossible while a device graph is being captured.
 _HOST_READS = (torch.ops.aten._local_scalar_dense.default,)
 
@@ -162,14 +160,7 @@ class HostStandsInForDevice:
         """torch's CPU allocator hands freed memory back by itself."""
 
     def peak_memory_allocated(self, index: int | None = None) -> int:
-        # The process's peak resident memory (VmHWM, kB) stands for the device allocator's peak.
-        for line in _PROC_STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-        return 0
+        return peak_rss()  # the process's peak resident memory stands for the device allocator's peak
 
     def reset_peak_memory(self, index: int | None = None) -> None:
-        try:
-            _CLEAR_REFS.write_text("5")  # restart VmHWM from the current resident size
-        except OSError:
-            pass
+        reset_peak_rss()
