@@ -67,7 +67,7 @@ from omnirun.quantization import KeptFormat, dequantized, quantized_format
 from omnirun.registry import select_platform
 from omnirun.sampling import SampleOutput, Sampler, SamplingBatch, SamplingParams, TokenHistory, graph_form
 from omnirun.sampling.graph_form import GraphStep
-from omnirun.weights import apply_update, load_weights, read_weight, refuse_unless_agreed, update_problem
+from omnirun.weights import agree, apply_update, load_weights, read_weight, refuse_unless_agreed, update_problem
 
 logger = logging.getLogger(__name__)
 
@@ -520,7 +520,7 @@ class ModelRunner:
                 progress = self.config.progress and self.tp.is_first
                 count = apply_update(self.model, checkpoint.iter_tensors(progress=progress, lazy=True), self.tp.comm)
             finally:  # changed or restored, the weights need their platform form again
-                self.model.prepare_weights()
+                self._prepare_updated_weights()
         self.platform.synchronize()
         logger.info("updated %d weight tensors from %s", count, model_path)
 
@@ -541,8 +541,20 @@ class ModelRunner:
             try:
                 apply_update(self.model, named_tensors, self.tp.comm)
             finally:
-                self.model.prepare_weights()
+                self._prepare_updated_weights()
         self.platform.synchronize()
+
+    def _prepare_updated_weights(self) -> None:
+        """The platform's forms of updated weights, and the decode graphs captured again where a form could not be
+        refreshed in place (they would read the old one). Every rank recaptures if any must: a capture runs the
+        collectives of every rank."""
+        in_place = self.model.prepare_weights()
+        if self.graph_runner is None or not agree(self.tp.comm, None if in_place else "a form made anew"):
+            return
+        logger.info("a weight update changed the structure of a platform's weight form: capturing the graphs again")
+        if isinstance(self.graph_runner, DecodeGraphRunner):
+            self.graph_runner.release()
+        self.graph_runner.capture(progress=False)
 
     def _kv_scales_fixed(self, names: Iterable[str]) -> str | None:
         """Why an update must not carry KV-cache scales: an fp8 cache stores with them from start-up on (tokens

@@ -3,7 +3,7 @@ draws the eager sampler's tokens and logprobs from the same logits, token for to
 and over several steps; a seeded request's tokens do not depend on its batch, in the graph or eagerly; rows the
 graph's sampler does not serve sample eagerly after the forward's replay, with the same result.
 
-On the CPU with a recording graph (omnirun_fakes) and a capturable variant of torch_native attention; the
+On the CPU with a recording graph and a capturable variant of torch_native attention (omnirun_fakes.graph_cpu); the
 conformance suite's test_graph_sampling runs the same comparison on each lane's own graphs and sampling kernel."""
 
 from __future__ import annotations
@@ -13,59 +13,12 @@ import random
 import pytest
 import torch
 
-from omnirun.attention.torch_native import TorchNativeAttention, _DecodeMetadata
 from omnirun.batch import build_batch
 from omnirun.conformance.test_graph_sampling import assert_same_output, graph_and_eager_steps, mixed_params
-from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.engine.engine import Engine
-from omnirun.facts import AttentionOffer, GraphAPI
 from omnirun.sampling import SamplingParams
 from omnirun.testing import make_runner, tiny_hf_model
-from omnirun_fakes.device import recording_graph_api
-
-
-class GraphTorchNative(TorchNativeAttention):
-    """torch_native whose decode metadata is computed inside the step over the table's whole width (no host read
-    of the lengths), so that a recording graph captures it."""
-
-    name = "graph_torch_native"
-    supports_graph = True
-    _in_graph = False
-
-    def init_graph_state(self, max_batch_size: int) -> None:
-        pass
-
-    def init_forward_metadata_capture(self, batch) -> None:
-        self._in_graph = True
-
-    def init_forward_metadata_replay(self, batch, padded_batch_size: int) -> None:
-        pass
-
-    def init_forward_metadata(self, batch) -> None:
-        self._in_graph = False
-        super().init_forward_metadata(batch)
-
-    def forward_decode(self, q, k, v, layer, batch):
-        if self._in_graph:
-            table = self.context.kv.req_to_token.table
-            positions = torch.arange(table.shape[1], device=q.device)
-            valid = positions[None, :] < batch.seq_lens[:, None]
-            slots = torch.where(valid, table[batch.req_pool_indices], 0).long()
-            last = (batch.seq_lens - 1).long()[:, None]
-            self._decode = _DecodeMetadata(slots, positions, last, {None: valid[:, None, None, :]})
-        return super().forward_decode(q, k, v, layer, batch)
-
-
-class GraphCpu(CpuPlatform):
-    """The host CPU with recorded graphs up to batch 8 and the capturable attention above."""
-
-    max_graph_batch_size = 8
-
-    def graph_api(self) -> GraphAPI:
-        return recording_graph_api("recorded")
-
-    def attention_offers(self):
-        return (AttentionOffer(GraphTorchNative.name, GraphTorchNative),)
+from omnirun_fakes.graph_cpu import GraphCpu, GraphTorchNative
 
 
 @pytest.fixture(scope="module")

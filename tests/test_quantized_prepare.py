@@ -12,7 +12,8 @@ from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.layers import native_ops
 from omnirun.layers.moe import SparseMoE
 from omnirun.layers.ops import resolve_ops
-from omnirun.testing import keeping_fp8, keeping_int4, make_runner
+from omnirun.testing import keeping_fp8, keeping_int4, make_runner, replayed_and_eager
+from omnirun_fakes.graph_cpu import GraphCpu, GraphTorchNative
 from quantized_checkpoints import prefill_logits, write_fp8_checkpoint, write_int4_checkpoint
 
 
@@ -48,6 +49,49 @@ def test_a_weight_update_of_kept_4_bit_experts_is_prepared_again_before_the_next
         runner.update_weights_from_tensor([(name, runner.get_weights_by_name(name) * 2)])
         assert torch.equal(moe.prepared[4], moe.w2_scale)  # the op would refuse a stale form
         assert not torch.equal(prefill_logits(runner), before)
+    finally:
+        runner.close()
+
+
+class ComputesFromItsForm(GraphCpu):
+    """Recorded decode graphs, and an `int4_linear` that multiplies by its prepared form alone (the dequantized
+    weight), as a vendor's kernel reads its own re-laid weight: a captured graph holds the form's memory. With
+    `host_number` the form also carries a number computed from the weights (as Ascend's form says whether every zero
+    point is 8), so an update changes the form's structure and it cannot be refreshed in place."""
+
+    def __init__(self, host_number: bool):
+        super().__init__()
+        self.host_number = host_number
+
+    def device_fused_ops(self):
+        def prepare(weight_packed, weight_scale, weight_zero_point, group_size):
+            weight = native_ops.dequantize_int4(weight_packed, weight_scale, weight_zero_point, group_size)
+            return (weight, float(weight_scale.max())) if self.host_number else (weight,)
+
+        def int4_linear(x, weight_packed, weight_scale, weight_zero_point, bias, group_size, prepared):
+            return torch.nn.functional.linear(x, prepared[0].to(x.dtype), bias)
+
+        return {**super().device_fused_ops(), "int4_linear": int4_linear, "prepare_int4_linear": prepare}
+
+
+@pytest.mark.parametrize("host_number", [False, True], ids=["refreshed-in-place", "captured-again"])
+def test_a_weight_update_reaches_the_decode_graphs_that_read_a_prepared_form(tmp_path, host_number):
+    write_int4_checkpoint(tmp_path, "llama", "awq", 16)
+    runner = make_runner(
+        ComputesFromItsForm(host_number), tmp_path, attention_backend=GraphTorchNative.name, max_running_requests=4
+    )
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    try:
+        assert runner.graph_runner is not None and runner.graph_runner.graphs
+        layer = runner.model.model.layers[0].mlp.down_proj
+        form = layer.prepared[0]
+        _, before = replayed_and_eager(runner, prompts)
+        name = "model.layers.0.mlp.down_proj.weight_scale"
+        runner.update_weights_from_tensor([(name, runner.get_weights_by_name(name) * 2)])
+        replayed, eager = replayed_and_eager(runner, prompts)
+        assert (eager - before).abs().max() > 1e-2  # the update changed the step
+        torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)  # and the graphs see it
+        assert (layer.prepared[0] is form) != host_number  # the captured memory, refreshed, unless re-made
     finally:
         runner.close()
 

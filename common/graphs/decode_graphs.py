@@ -86,6 +86,13 @@ class DecodeGraphRunner:
         return 2 * bs * per_token + (256 << 20)
 
     # --- capture ---
+    def release(self) -> None:
+        """Drop every captured graph and its pool's memory (before capturing again)."""
+        self.graphs.clear()
+        self.samplers.clear()
+        self.logprob_graphs.clear()
+        gc.collect()
+
     def capture(self, progress: bool = True) -> None:
         backend = self.runner.attention
         if not backend.supports_graph:

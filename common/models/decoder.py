@@ -26,6 +26,7 @@ from omnirun.layers.linear import Linear, QuantizedOf, RowParallelLinear, full_p
 from omnirun.layers.moe import SparseMoE
 from omnirun.layers.norm import RMSNorm
 from omnirun.layers.ops import Ops
+from omnirun.layers.prepared import refresh_in_place
 from omnirun.layers.rotary import RotaryEmbedding
 from omnirun.layers.sharding import ShardTarget, Slice
 from omnirun.models.architecture import DecoderShape
@@ -329,11 +330,20 @@ class DecoderForCausalLM(nn.Module):
         layers = [layer.self_attn for layer in self.model.layers]
         return [float(a.k_scale) for a in layers], [float(a.v_scale) for a in layers]
 
-    def prepare_weights(self) -> None:
-        """Give the platform its look at every matmul weight (after loading, and after each weight update)."""
+    def prepare_weights(self) -> bool:
+        """Give the platform its look at every matmul weight (after loading, and after each weight update). A form
+        made again goes into the memory of the one before where the two have the same structure, since captured
+        graphs read that memory; False where some form could not (the graphs must then be captured again)."""
+        in_place = True
         for module in self.modules():
             if isinstance(module, (Linear, LMHead, SparseMoE)):
+                before = module.prepared
                 module.prepare()
+                if refresh_in_place(before, module.prepared):
+                    module.prepared = before
+                else:
+                    in_place = False
+        return in_place
 
     def checkpoint_target(self, name: str) -> ShardTarget | None:
         """Where HF checkpoint tensor `name` lands on this rank (the parameter rows or columns it fills, and which part

@@ -21,7 +21,7 @@ from omnirun.devices.npu.platform import INT4_NOTE
 from omnirun.layers import native_ops
 from omnirun.layers.linear import Linear
 from omnirun.registry import get_platform
-from omnirun.testing import greedy_gap, greedy_generate, hf_greedy, make_runner
+from omnirun.testing import greedy_gap, greedy_generate, hf_greedy, make_runner, replayed_and_eager
 from quantized_checkpoints import PROMPTS, prefill_logits, write_int4_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -236,3 +236,27 @@ def test_an_int4_checkpoint_keeps_its_layers_for_the_kernel_and_gives_hf_s_greed
             # must be HF's own choice up to bf16 resolution when HF is fed our sequence.
             gap, scale = greedy_gap(hf, prompt, ours)
             assert gap <= 2**-6 * scale, f"token off HF's argmax by {gap} (logits up to {scale})"
+
+
+@pytest.mark.device("npu")
+def test_a_weight_update_of_kept_int4_layers_reaches_the_npu_graphs(tmp_path):
+    """The graphs captured the prepared int4 words and scales: an update goes into that memory (same structure),
+    so a replayed step equals an eager one after it."""
+    write_int4_checkpoint(tmp_path, "llama", "awq", 32)
+    runner = make_runner(get_platform("npu"), tmp_path, dtype="bfloat16", max_running_requests=4)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    try:
+        if runner.graph_runner is None:
+            pytest.skip("the npu platform builds no graph runner here")
+        layer = runner.model.model.layers[0].mlp.down_proj
+        form = layer.prepared
+        assert isinstance(form, AscendInt4Weight)
+        _, before = replayed_and_eager(runner, prompts)
+        name = "model.layers.0.mlp.down_proj.weight_scale"  # the kept layout's name (as read_weight gives it)
+        runner.update_weights_from_tensor([(name, runner.get_weights_by_name(name) * 4)])
+        replayed, eager = replayed_and_eager(runner, prompts)
+        assert (eager.float() - before.float()).abs().max() > 0.1  # the update changed the step
+        torch.testing.assert_close(replayed.float(), eager.float(), atol=3e-2, rtol=3e-2)  # as the conformance suite
+        assert layer.prepared is form  # refreshed in place: no capture again
+    finally:
+        runner.close()

@@ -1,0 +1,67 @@
+"""refresh_in_place (omnirun.layers.prepared): a platform's form made again after a weight update goes into the
+memory of the one before, which captured graphs read, wherever the two have the same structure."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from omnirun.layers.prepared import refresh_in_place
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """Shaped as a vendor's form (Ascend's int4 weight): words, per-dtype scales and optional offsets, a number."""
+
+    weight: torch.Tensor
+    antiquant: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]]
+    group_size: int
+
+
+def _form(seed: int, offset: bool = True, group_size: int = 32) -> Form:
+    gen = torch.Generator().manual_seed(seed)
+    scale, shift = torch.rand(2, 4, generator=gen), torch.rand(2, 4, generator=gen)
+    antiquant = {
+        dtype: (scale.to(dtype), shift.to(dtype) if offset else None) for dtype in (torch.bfloat16, torch.float16)
+    }
+    return Form(torch.randint(-8, 8, (4, 2), generator=gen, dtype=torch.int32), antiquant, group_size)
+
+
+def test_the_new_form_is_copied_into_the_old_form_s_tensors():
+    old, new = _form(0), _form(1)
+    memory = [old.weight.data_ptr(), old.antiquant[torch.bfloat16][0].data_ptr()]
+    assert refresh_in_place(old, new)
+    assert torch.equal(old.weight, new.weight)
+    for dtype in old.antiquant:
+        assert all(map(torch.equal, old.antiquant[dtype], new.antiquant[dtype]))
+    assert [old.weight.data_ptr(), old.antiquant[torch.bfloat16][0].data_ptr()] == memory
+
+
+def test_tuples_lists_and_none_refresh_too():
+    old, new = (torch.zeros(3), [torch.zeros(2)], None), (torch.ones(3), [torch.ones(2)], None)
+    assert refresh_in_place(old, new) and old[0].sum() == 3 and old[1][0].sum() == 2
+    assert refresh_in_place(None, None)
+
+
+def test_a_form_of_another_structure_changes_nothing():
+    old = _form(0)
+    saved = old.weight.clone()
+    others = [
+        _form(1, offset=False),  # an offset appeared or went (every zero point became 8)
+        _form(1, group_size=64),  # a number outside the tensors
+        dataclasses.replace(_form(1), weight=torch.zeros(4, 3, dtype=torch.int32)),  # another shape
+        dataclasses.replace(_form(1), weight=torch.zeros(4, 2, dtype=torch.int64)),  # another dtype
+        None,  # no form any more
+    ]
+    for new in others:
+        assert not refresh_in_place(old, new)
+        assert torch.equal(old.weight, saved)  # untouched, though the weight words matched
+    assert not refresh_in_place(None, _form(1))  # a first form
+
+
+def test_an_opaque_object_is_never_taken_for_the_same():
+    class Module:  # as IPEX's prepared linear: its tensors are not reachable, so it is made anew
+        pass
+
+    assert not refresh_in_place((Module(),), (Module(),))
