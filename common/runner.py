@@ -42,6 +42,7 @@ from omnirun.graphs import DecodeGraphRunner
 from omnirun.layers.linear import Linear, QuantizedOf, full_precision
 from omnirun.layers.moe import SparseMoE
 from omnirun.layers.ops import deterministic_ops, resolve_ops
+from omnirun.layers.prepared import held_bytes
 from omnirun.loader import (
     SafetensorsCheckpoint,
     context_length,
@@ -220,14 +221,15 @@ class ModelRunner:
                     tensors = dequantized(tensors, self.quantization, self.dtype, keeps=keeps, elsewhere=elsewhere)
                 load_weights(model, tensors)
             model.prepare_weights()
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        on_device, on_host = held_bytes(model)
         logger.info(
-            "loaded %s (%s, %.2f GiB of weights on tp rank %d of %d)",
+            "loaded %s (%s, %.2f GiB of weights on tp rank %d of %d%s)",
             self.config.model,
             self.dtype,
-            weight_bytes / 2**30,
+            on_device / 2**30,
             self.tp.rank,
             self.tp.size,
+            f"; {on_host / 2**30:.2f} GiB of loaded quantized words in host memory" if on_host else "",
         )
         return model.eval()
 
@@ -571,7 +573,7 @@ class ModelRunner:
     def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
         """A copy of one weight by its HF checkpoint name, optionally only its first `truncate_size` rows; whole
         under tensor parallelism (gathered from every rank: every rank must call it with the same name)."""
-        weight = read_weight(self.model, name, self.tp.comm)
+        weight = read_weight(self.model, name, self.tp.comm, self.device)
         return weight if truncate_size is None else weight[:truncate_size]
 
     def weight_bytes_per_step(self, batch_size: int = 1) -> int:

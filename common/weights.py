@@ -11,6 +11,7 @@ rolls back every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -205,9 +206,12 @@ def apply_update(model: CheckpointModel, tensors: Iterable[tuple[str, Any]], com
     raise WeightUpdateError(message) from error
 
 
-def read_weight(model: CheckpointModel, name: str, comm: Communicator | None = None) -> torch.Tensor:
+def read_weight(
+    model: CheckpointModel, name: str, comm: Communicator | None = None, device: torch.device | None = None
+) -> torch.Tensor:
     """A copy of the current value of checkpoint tensor `name` (a shard of a fused projection where fused), whole:
-    under tensor parallelism every rank's part is gathered (every rank must call this for the same name)."""
+    under tensor parallelism every rank's part is gathered on `device` (every rank must call this for the same
+    name; a tensor kept in host memory beside its platform form goes there for the collective)."""
     try:
         target = model.checkpoint_target(name)
     except KeyError:
@@ -224,6 +228,8 @@ def read_weight(model: CheckpointModel, name: str, comm: Communicator | None = N
         raise WeightUpdateError(f"{name!r} is not stored by this model (it is recomputed or tied)")
     if target.dim is None or comm is None or comm.world_size == 1:
         return target.view.clone()
+    if device is not None:
+        target = dataclasses.replace(target, view=target.view.to(device))
     return _gather_full(target, comm)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
-from omnirun.layers.prepared import refresh_in_place
+from omnirun.layers import prepared
+from omnirun.layers.prepared import held_bytes, made_form, refresh_in_place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +67,60 @@ def test_an_opaque_object_is_never_taken_for_the_same():
         pass
 
     assert not refresh_in_place((Module(),), (Module(),))
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.words = nn.Parameter(torch.arange(8, dtype=torch.int32), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(2), requires_grad=False)
+
+
+class StandsAlone(tuple):
+    reads_loaded_tensors = False
+
+
+def test_a_form_that_stands_alone_sends_the_loaded_tensors_to_host_memory(monkeypatch):
+    # The machine has no device but the host: "meta" plays host memory, which a computation on it would fail to read.
+    monkeypatch.setattr(prepared, "HOST", torch.device("meta"))
+    for make, kept_on_device in [
+        (lambda words, scale: StandsAlone((words * 2, scale.clone())), False),
+        (lambda words, scale: (words * 2,), True),  # reads the loaded tensors too (the default)
+        (lambda words, scale: None, True),  # no form: the op reads the loaded tensors
+    ]:
+        layer = Layer()
+        form = made_form(layer, ("words", "scale"), make)
+        assert [p.device.type for p in (layer.words, layer.scale)] == ["cpu" if kept_on_device else "meta"] * 2
+        assert {name for name, _ in layer.named_parameters()} == {"words", "scale"}  # the names stay
+        if form is not None:
+            assert torch.equal(form[0], torch.arange(8, dtype=torch.int32) * 2)  # made from the loaded values
+
+
+def test_the_loaded_tensors_come_back_to_the_device_while_a_new_form_is_made(monkeypatch):
+    """Host and device are both the CPU here: the moves are recorded, with where each tensor is."""
+    where: dict[str, str] = {}
+
+    def place(layer, name, device):
+        where[name] = str(device)
+
+    monkeypatch.setattr(prepared, "_place", place)
+    layer = Layer()
+    layer.loaded_device = torch.device("cuda")  # as loading left it
+
+    def make(words, scale):
+        assert where == {"words": "cuda", "scale": "cuda"}  # on the device while the form is made
+        return StandsAlone((words.clone(),))
+
+    for _ in range(2):  # after loading, and after an update
+        made_form(layer, ("words", "scale"), make)
+        assert where == {"words": "cpu", "scale": "cpu"}
+
+
+def test_held_bytes_count_each_storage_once_and_tell_host_memory_apart(monkeypatch):
+    layer = Layer()  # words int32 [8], scale float32 [2]: 32 + 8 bytes
+    layer.prepared = (layer.words, torch.zeros(4, dtype=torch.float16))  # shares words; 8 bytes of its own
+    assert held_bytes(layer) == (48, 0)
+    monkeypatch.setattr(prepared, "HOST", torch.device("meta"))  # "meta" plays host memory
+    layer.words = nn.Parameter(layer.words.data.to("meta"), requires_grad=False)
+    layer.prepared = (torch.zeros(4, dtype=torch.float16),)
+    assert held_bytes(layer) == (16, 32)

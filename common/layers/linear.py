@@ -15,6 +15,7 @@ from torch import nn
 
 from omnirun.distributed.tensor_parallel import TensorParallel
 from omnirun.layers.ops import Ops
+from omnirun.layers.prepared import made_form
 from omnirun.layers.sharding import ShardTarget, Slice, as_slice
 
 logger = logging.getLogger(__name__)
@@ -163,11 +164,15 @@ class Linear(nn.Module):
     def prepare(self) -> None:
         """Let the platform re-lay the weight for its kernels; called after loading and after weight updates."""
         if self.int4 is not None:
-            self.prepared = self.ops.prepare_int4_linear(
-                self.weight_packed, self.weight_scale, self.weight_zero_point, self.group_size
+            self.prepared = made_form(
+                self,
+                ("weight_packed", "weight_scale", "weight_zero_point"),
+                lambda *loaded: self.ops.prepare_int4_linear(*loaded, self.group_size),
             )
         elif self.fp8 is not None:
-            self.prepared = self.ops.prepare_fp8_linear(self.weight, self.weight_scale, self.fp8.block)
+            self.prepared = made_form(
+                self, ("weight", "weight_scale"), lambda *loaded: self.ops.prepare_fp8_linear(*loaded, self.fp8.block)
+            )
         else:
             self.prepared = self.ops.prepare_linear(self.weight)
 

@@ -29,6 +29,7 @@ from torch import nn
 from omnirun.distributed.tensor_parallel import TensorParallel
 from omnirun.layers.linear import Fp8Weights, Int4Weights, KeptWeightMismatch, Linear, QuantizedWeights
 from omnirun.layers.ops import Ops, runs_fp8_experts, runs_int4_experts
+from omnirun.layers.prepared import made_form
 from omnirun.layers.sharding import ShardTarget, Slice
 
 logger = logging.getLogger(__name__)
@@ -158,10 +159,11 @@ class SparseMoE(nn.Module):
         """Hand kept 4-bit experts to the platform's `prepare_int4_fused_moe` (after loading and after each weight
         update, as Linear.prepare does); what it makes is passed to `int4_fused_moe`."""
         if self.int4 is not None:
-            self.prepared = self.ops.prepare_int4_fused_moe(
-                self.w13_packed, self.w13_scale, self.w13_zero_point, self.w2_packed, self.w2_scale,
-                self.w2_zero_point, self.int4.group_size,
-            )  # fmt: skip
+            self.prepared = made_form(
+                self,
+                ("w13_packed", "w13_scale", "w13_zero_point", "w2_packed", "w2_scale", "w2_zero_point"),
+                lambda *loaded: self.ops.prepare_int4_fused_moe(*loaded, self.int4.group_size),
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)

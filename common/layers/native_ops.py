@@ -119,7 +119,8 @@ def takes_every_layer(out_features: int, in_features: int, layout: Any, dtype: t
 def prepare_fp8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None) -> Any:
     """A device-preferred form of a kept fp8 weight and its scales (a vendor's layout or fp8 flavour), made once
     after loading and after each weight update; None: `fp8_linear` reads them as loaded. The loaded tensors stay
-    as they are: weight updates and get_weights_by_name read them."""
+    readable by weight updates and get_weights_by_name: in host memory where the form's `reads_loaded_tensors` is
+    False (omnirun.layers.prepared)."""
     return None
 
 
@@ -140,7 +141,7 @@ def prepare_int4_fused_moe(
     group_size: int,
 ) -> Any:
     """A device-preferred form of a mixture's kept 4-bit experts (a vendor's packing), made as `prepare_fp8_linear`'s
-    is: after loading and after each weight update; the loaded tensors stay as they are."""
+    is: after loading and after each weight update, the loaded tensors staying readable."""
     return None
 
 

@@ -1,4 +1,9 @@
-"""A platform's prepared form of a layer's weights, made again after a weight update.
+"""A platform's prepared form of a layer's weights: where the loaded tensors live, and the form made again after a
+weight update.
+
+A form whose op reads nothing but the form (`reads_loaded_tensors = False` on it, as a vendor's re-packed weight with
+its scales) would leave the device holding the weights twice: the loaded tensors then wait in host memory, where
+weight updates and reads find them, and come back to the device only while a new form is made from them.
 
 A captured graph reads the memory of the form it captured, so the new form's tensors are copied into the old
 form's wherever the two have the same structure: the same containers, tensors of the same shape, dtype and device,
@@ -8,9 +13,56 @@ layer takes the new form, and the decode graphs are captured again (ModelRunner)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
+
+HOST = torch.device("cpu")
+
+
+def made_form(layer: nn.Module, names: Sequence[str], make: Callable[..., Any]) -> Any:
+    """`make(*tensors)` of the layer's loaded tensors `names`, on the device the layer computes on; afterwards the
+    tensors go to host memory if the form says its op does not read them."""
+    device = getattr(layer, "loaded_device", None) or getattr(layer, names[0]).device
+    layer.loaded_device = device  # where loading put them: the device the layer computes on
+    for name in names:
+        _place(layer, name, device)
+    form = make(*(getattr(layer, name) for name in names))
+    if not reads_loaded_tensors(form):
+        for name in names:
+            _place(layer, name, HOST)
+    return form
+
+
+def _place(layer: nn.Module, name: str, device: torch.device) -> None:
+    """Move a parameter to `device` as a new Parameter of the same name (a device's own tensor type, such as
+    torch_npu's, cannot take another device's data in place): updates and reads look it up by name."""
+    param = getattr(layer, name)
+    if param.device != device:
+        setattr(layer, name, nn.Parameter(param.data.to(device), requires_grad=False))
+
+
+def held_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes on the device, bytes in host memory) of the model's parameters and its layers' prepared forms, each
+    storage counted once (a form may share one with a parameter). On a device that is the host, all count as
+    the device's."""
+    storages: dict[tuple[torch.device, int], int] = {}
+    tensors = list(model.parameters())
+    tensors += [t for m in model.modules() for t in _parts(getattr(m, "prepared", None)) if isinstance(t, torch.Tensor)]
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    on_host = sum(size for (device, _), size in storages.items() if device == HOST)
+    total = sum(storages.values())
+    devices = {device for device, _ in storages}
+    return (total, 0) if devices <= {HOST} else (total - on_host, on_host)
+
+
+def reads_loaded_tensors(form: Any) -> bool:
+    """Whether the op of this form reads the layer's loaded tensors too (no form: it reads only them)."""
+    return form is None or getattr(form, "reads_loaded_tensors", True)
 
 
 def refresh_in_place(old: Any, new: Any) -> bool:

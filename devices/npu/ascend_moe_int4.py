@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -57,6 +57,8 @@ class AscendInt4Projection:
 class AscendInt4Experts:
     w13: AscendInt4Projection
     w2: AscendInt4Projection
+    # The kernel reads this form alone: the loaded words wait in host memory (omnirun.layers.prepared).
+    reads_loaded_tensors: ClassVar[bool] = False
 
 
 def _projection(
@@ -137,9 +139,12 @@ def ascend_int4_moe_ops(torch_npu: Any, soc: str) -> dict[str, Callable[..., Any
     ) -> torch.Tensor:
         local = w13_packed.shape[0]
         if prepared is None or x.dtype not in HALF_DTYPES or not takes_routing(x, router_logits, local, top_k):
+            # The loaded tensors, from host memory where the prepared form stands in for them on the device.
+            loaded = (
+                t.to(x.device) for t in (w13_packed, w13_scale, w13_zero_point, w2_packed, w2_scale, w2_zero_point)
+            )
             return native_ops.int4_fused_moe(
-                x, router_logits, w13_packed, w13_scale, w13_zero_point, w2_packed, w2_scale, w2_zero_point, top_k,
-                renormalize, expert_start, group_size,
+                x, router_logits, *loaded, top_k, renormalize, expert_start, group_size
             )  # fmt: skip
         return routed_experts(
             torch_npu,

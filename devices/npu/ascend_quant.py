@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -48,6 +48,8 @@ class AscendInt4Weight:
     weight: torch.Tensor
     antiquant: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor | None]]
     group_size: int  # antiquant_group_size: 0 for one group per row (per-channel mode)
+    # The kernel reads this form alone: the loaded words wait in host memory (omnirun.layers.prepared).
+    reads_loaded_tensors: ClassVar[bool] = False
 
 
 def _kernel_group_size(out_features: int, in_features: int, group_size: int) -> int | None:
@@ -97,7 +99,9 @@ def ascend_int4_ops(torch_npu: Any, soc: str) -> dict[str, Callable[..., Any]]:
     ) -> torch.Tensor:
         # The kernel takes float16/bfloat16 x and no empty tensor; shape checks only, so it runs inside graphs.
         if prepared is None or x.dtype not in HALF_DTYPES or x.numel() == 0:
-            return native_ops.int4_linear(x, weight_packed, weight_scale, weight_zero_point, bias, group_size)
+            # The loaded tensors, from host memory where the prepared form stands in for them on the device.
+            loaded = (t.to(x.device) for t in (weight_packed, weight_scale, weight_zero_point))
+            return native_ops.int4_linear(x, *loaded, bias, group_size)
         scale, offset = prepared.antiquant[x.dtype]
         if bias is not None:  # the doc: bias float32 for bfloat16 x, float16 for float16 x
             bias = bias.to(torch.float32 if x.dtype == torch.bfloat16 else torch.float16)

@@ -46,8 +46,9 @@ INT4_NOTE = (
 )
 # What kept int4 experts run (omnirun.devices.npu.ascend_moe_int4).
 INT4_MOE_NOTE = (
-    "int4 experts run npu_grouped_matmul's antiquant mode in bf16/fp16 models, their int4 bytes held twice (the "
-    "loaded words and the kernel's); experts whose groups do not divide their inputs run the reference"
+    "int4 experts run npu_grouped_matmul's antiquant mode in bf16/fp16 models, the loaded words waiting in host "
+    "memory beside the kernel's; experts whose groups do not divide their inputs run the reference, and so do "
+    "float32 models, copying the loaded words over at each call"
 )
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,6 +47,8 @@ class IpexInt4:
 
     linear: Any  # ipex.llm.quantization.IPEXWeightOnlyQuantizedLinear
     out_features: int
+    # IPEX's module reads its own copy alone: the loaded words wait in host memory (omnirun.layers.prepared).
+    reads_loaded_tensors: ClassVar[bool] = False
 
 
 def offers_int4(ipex: Any) -> bool:
@@ -122,7 +124,9 @@ def ipex_int4_ops(ipex: Any, fallback: Mapping[str, Callable[..., Any]]) -> dict
         prepared: Any = None,
     ) -> torch.Tensor:
         if not isinstance(prepared, IpexInt4) or x.dtype not in HALF:
-            return plain(x, weight_packed, weight_scale, weight_zero_point, bias, group_size)
+            # The loaded tensors, from host memory where the prepared form stands in for them on the device.
+            loaded = (t.to(x.device) for t in (weight_packed, weight_scale, weight_zero_point))
+            return plain(x, *loaded, bias, group_size)
         out = prepared.linear(x.reshape(-1, x.shape[-1]).contiguous())  # [M, N] in x's dtype
         if bias is not None:
             out = out + bias

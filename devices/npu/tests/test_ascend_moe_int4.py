@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from omnirun.devices.npu.ascend_moe_int4 import AscendInt4Experts, ascend_int4_moe_ops
-from omnirun.layers import native_ops
+from omnirun.layers import native_ops, prepared
+from omnirun.layers.linear import Linear
 from omnirun.layers.moe import SparseMoE
 from omnirun.registry import get_platform
-from omnirun.testing import make_runner
+from omnirun.testing import make_runner, replayed_and_eager
 from quantized_checkpoints import _as_int32, prefill_logits, write_int4_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -195,3 +196,29 @@ def test_an_awq_mixture_keeps_its_experts_for_the_kernel_and_gives_the_dequantiz
     finally:
         kept.close()
         dequantized.close()
+
+
+@pytest.mark.device("npu")
+def test_kept_int4_layers_and_experts_leave_their_loaded_words_in_host_memory(tmp_path, monkeypatch):
+    """The prepared forms stand alone (reads_loaded_tensors False): the loaded words leave the device, and a prefill
+    and a graph-replayed decode step give what they give with the words on the device. "meta" plays host memory
+    here (the fake device is the host): a kernel that read it would fail. Groups of 32: the linear kernel's step."""
+    write_int4_checkpoint(tmp_path, "qwen3_moe", "awq", 32)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    runs = {}
+    for host in ("cpu", "meta"):
+        monkeypatch.setattr(prepared, "HOST", torch.device(host))
+        runner = make_runner(get_platform("npu"), tmp_path, dtype="bfloat16", max_running_requests=4)
+        try:
+            kept = [m for m in runner.model.modules() if isinstance(m, (Linear, SparseMoE)) and m.int4 is not None]
+            words = ("weight_packed", "weight_scale", "weight_zero_point")
+            loaded = [
+                p for m in kept for p in (m.weights() if isinstance(m, SparseMoE) else map(m.get_parameter, words))
+            ]
+            assert any(isinstance(m, SparseMoE) for m in kept) and any(isinstance(m, Linear) for m in kept)
+            assert {p.device.type for p in loaded} == {host}
+            runs[host] = (prefill_logits(runner), *replayed_and_eager(runner, prompts))
+        finally:
+            runner.close()
+    for on_device, on_host in zip(runs["cpu"], runs["meta"], strict=True):
+        assert torch.equal(on_device, on_host)
