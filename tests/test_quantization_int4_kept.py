@@ -1,8 +1,9 @@
-"""AWQ and GPTQ 4-bit checkpoints on a platform that runs `int4_linear`: the linear layers keep the packed weights
-(converted at load to one layout: int32 [N, K / 8], float32 scales and uint8 zero points [N, groups]) instead of
-dequantizing them, and give the dequantized model's logits bit for bit in float32 and HF's greedy tokens. Here the
-platform offers the reference op as its kernel (`omnirun.testing.keeping_int4`); the Triton kernels are checked
-against it in tests/kernels/test_triton_int4_linear.py and on the cuda lane."""
+"""AWQ, GPTQ and compressed-tensors pack-quantized 4-bit checkpoints on a platform that runs `int4_linear`: the
+linear layers keep the packed weights (converted at load to one layout: int32 [N, K / 8], float32 scales and uint8
+zero points [N, groups]) instead of dequantizing them, and give the dequantized model's logits bit for bit in
+float32 and HF's greedy tokens. Here the platform offers the reference op as its kernel
+(`omnirun.testing.keeping_int4`); the Triton kernels are checked against it in tests/kernels/test_triton_int4_linear.py
+and on the cuda lane."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from omnirun.devices.cpu.platform import CpuPlatform
 from omnirun.errors import ModelLoadError, WeightUpdateError
 from omnirun.layers.linear import Linear
 from omnirun.testing import greedy_generate, hf_greedy, keeping_int4, make_runner
-from quantized_checkpoints import PROMPTS, prefill_logits, write_int4_checkpoint
+from quantized_checkpoints import PROMPTS, prefill_logits, write_int4_checkpoint, write_pack_quantized_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -48,6 +49,39 @@ def test_kept_int4_layers_give_the_dequantized_model_s_logits(
         assert (platform.calls["int4_linear"] > calls) == bool(expected)  # the kept layers ran through the op
         # The reference op multiplies by the weight dequantized as at load: the same float32 logits, bit for bit.
         assert torch.equal(logits, prefill_logits(dequantized))
+        assert greedy_generate(kept, PROMPTS, 8) == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
+    finally:
+        kept.close()
+        dequantized.close()
+
+
+@pytest.mark.parametrize(
+    "arch, bits, group_size, symmetric, actorder, expected",
+    [
+        ("llama", 4, 16, True, False, 8),  # llm-compressor's W4A16: symmetric groups
+        ("qwen2", 4, 32, False, False, 8),  # asymmetric: zero points packed along the rows
+        ("qwen3", 4, None, True, False, 8),  # per channel: one group over each row
+        ("llama", 4, 16, True, True, 0),  # actorder "group": g_idx permutes the inputs, dequantized at load
+        ("mistral", 8, None, True, False, 0),  # W8A16: dequantized at load
+    ],
+    ids=["w4a16", "w4a16-asymmetric", "w4a16-channel", "w4a16-actorder", "w8a16"],
+)
+def test_kept_pack_quantized_layers_give_the_dequantized_model_s_logits(
+    tmp_path, arch, bits, group_size, symmetric, actorder, expected
+):
+    hf, _ = write_pack_quantized_checkpoint(tmp_path, arch, bits, group_size, symmetric, actorder)
+    platform = keeping_int4(CpuPlatform())
+    kept, dequantized = make_runner(platform, tmp_path), make_runner(CpuPlatform(), tmp_path)
+    try:
+        linears = [m for m in kept.model.modules() if isinstance(m, Linear) and m.int4 is not None]
+        assert len(linears) == expected
+        assert all(m.group_size == (group_size or m.in_features) for m in linears)
+        described = kept.describe()["weights"]
+        assert (f"{expected} linear layers kept in int4" in described) == bool(expected), described
+        calls = platform.calls["int4_linear"]
+        logits = prefill_logits(kept)
+        assert (platform.calls["int4_linear"] > calls) == bool(expected)
+        assert torch.equal(logits, prefill_logits(dequantized))  # the same weights, multiplied as at load
         assert greedy_generate(kept, PROMPTS, 8) == [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
     finally:
         kept.close()

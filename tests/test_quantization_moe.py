@@ -15,7 +15,13 @@ from omnirun.layers.linear import Linear
 from omnirun.layers.moe import SparseMoE
 from omnirun.layers.native_ops import dequantize_fp8, dequantize_int4
 from omnirun.testing import greedy_generate, hf_greedy, keeping_fp8, keeping_int4, make_runner
-from quantized_checkpoints import PROMPTS, prefill_logits, write_fp8_checkpoint, write_int4_checkpoint
+from quantized_checkpoints import (
+    PROMPTS,
+    prefill_logits,
+    write_fp8_checkpoint,
+    write_int4_checkpoint,
+    write_pack_quantized_checkpoint,
+)
 
 
 @pytest.mark.parametrize(
@@ -79,14 +85,18 @@ def test_omnirun_env_says_where_fp8_experts_stay_fp8():
 
 
 @pytest.mark.parametrize(
-    "arch, method, group_size", [("qwen3_moe", "awq", 16), ("mixtral", "gptq", 32), ("qwen2_moe", "gptq", 16)]
+    "arch, method, group_size",
+    [("qwen3_moe", "awq", 16), ("mixtral", "gptq", 32), ("qwen2_moe", "gptq", 16), ("qwen3_moe", "pack-quantized", 16)],
 )
 def test_int4_experts_kept_packed_give_the_dequantized_model_s_logits(tmp_path, arch, method, group_size):
     """Where the platform runs `int4_fused_moe`, each expert's packed words, scales and zero points are stacked as
     loaded (every expert projection dequantizes to the weight its parts stand for, bit for bit), the op runs them,
     and the logits equal the dequantized model's bit for bit in float32 (the reference op dequantizes as a load
     does); greedy tokens equal HF's."""
-    hf, stands_for = write_int4_checkpoint(tmp_path, arch, method, group_size)
+    if method == "pack-quantized":  # compressed-tensors' W4A16, asymmetric
+        hf, stands_for = write_pack_quantized_checkpoint(tmp_path, arch, 4, group_size, symmetric=False)
+    else:
+        hf, stands_for = write_int4_checkpoint(tmp_path, arch, method, group_size)
     platform = keeping_int4(CpuPlatform())
     kept, dequantized = make_runner(platform, tmp_path), make_runner(CpuPlatform(), tmp_path)
     try:
@@ -118,7 +128,7 @@ def test_omnirun_env_says_where_int4_experts_stay_packed():
     from omnirun.env_report import platform_row
 
     assert (
-        "awq/gptq 4-bit experts kept packed for int4_fused_moe" in platform_row(keeping_int4(CpuPlatform())).quantized
+        "awq/gptq/w4a16 4-bit experts kept packed for int4_fused_moe" in platform_row(keeping_int4(CpuPlatform())).quantized
     )
     assert "int4_fused_moe" not in platform_row(CpuPlatform()).quantized
 

@@ -8,6 +8,7 @@ dynamic, block_structure); layers in `ignore` are saved unquantized and load as 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from omnirun.errors import ModelLoadError
@@ -31,7 +32,8 @@ def from_config(quantization: dict[str, Any]) -> Fp8Format | PackedIntFormat:
     _check_kv_cache_scheme(quantization.get("kv_cache_scheme"))
     if formats == {"float-quantized"}:
         return _float(quantization, groups)
-    return _integer(groups, packed=formats == {"pack-quantized"})
+    integer = _integer(groups, packed=formats == {"pack-quantized"})
+    return dataclasses.replace(integer, ignored=tuple(quantization.get("ignore") or ()))
 
 
 def _check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:

@@ -70,8 +70,8 @@ def loading_summary(
         for what, runs in (
             ("fp8 weights kept in fp8 for fp8_linear", fp8_kernel),
             ("fp8 experts kept in fp8 for fp8_fused_moe", fp8_experts),
-            ("awq/gptq 4-bit weights kept packed for int4_linear", int4_kernel),
-            ("awq/gptq 4-bit experts kept packed for int4_fused_moe", int4_experts),
+            ("awq/gptq/w4a16 4-bit weights kept packed for int4_linear", int4_kernel),
+            ("awq/gptq/w4a16 4-bit experts kept packed for int4_fused_moe", int4_experts),
         )
         if runs
     ]

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from omnirun.errors import ModelLoadError
 from omnirun.layers.linear import Fp8Weights, QuantizedOf
 from omnirun.layers.native_ops import dequantize_fp8
 from omnirun.layers.ops import Ops, runs_fp8_weights
+from omnirun.quantization.int4 import listed
 
 STRATEGIES = ("tensor", "channel", "block")
 
@@ -70,9 +70,7 @@ class Fp8Format:
         """Whether the checkpoint holds `module` (an HF module name) quantized: not in the config's ignore list
         (names matched as substrings, as transformers matches modules_to_not_convert; "re:" entries as regular
         expressions, as compressed-tensors writes them)."""
-        return not any(
-            re.fullmatch(entry[3:], module) if entry.startswith("re:") else entry in module for entry in self.ignored
-        )
+        return not listed(module, self.ignored)
 
     def kept_by(self, ops: Ops) -> bool:
         """Whether layers keep these fp8 weights on a platform of this op table (it runs `fp8_linear`)."""

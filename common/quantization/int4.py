@@ -69,9 +69,11 @@ def _kept(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[st
     }
 
 
-def _listed(module: str, entries: tuple[str, ...]) -> bool:
-    """Whether `module` is named by a modules_to_not_convert list (substrings, as transformers matches them)."""
-    return any(entry in module for entry in entries)
+def listed(module: str, entries: tuple[str, ...]) -> bool:
+    """Whether `module` is named by a list of modules left unquantized (modules_to_not_convert, compressed-tensors'
+    ignore): entries match as substrings, as transformers matches them, and "re:" entries as regular expressions
+    of the whole name, as compressed-tensors writes them."""
+    return any(re.fullmatch(entry[3:], module) if entry.startswith("re:") else entry in module for entry in entries)
 
 
 def _group_size(quantization: dict[str, Any], key: str) -> int:
@@ -124,7 +126,7 @@ class AwqFormat:
 
     def quantizes(self, module: str) -> bool:
         """Whether the checkpoint holds `module` (an HF module name) in 4 bits."""
-        return not _listed(module, self.ignored)
+        return not listed(module, self.ignored)
 
     def kept_by(self, ops: Ops) -> bool:
         """Whether layers keep these 4-bit weights packed on a platform of this op table (it runs `int4_linear`)."""
@@ -203,7 +205,7 @@ class GptqFormat:
     def quantizes(self, module: str) -> bool:
         """Whether the checkpoint holds `module` (an HF module name) quantized (vLLM matches `dynamic`'s "-:" rules
         with re.match)."""
-        return not _listed(module, self.ignored) and not any(re.match(rule, module) for rule in self.skipped)
+        return not listed(module, self.ignored) and not any(re.match(rule, module) for rule in self.skipped)
 
     def kept_by(self, ops: Ops) -> bool:
         """Whether layers keep these weights packed on a platform of this op table (it runs `int4_linear`)."""

@@ -22,7 +22,7 @@ from omnirun.layers import native_ops
 from omnirun.layers.linear import Linear
 from omnirun.registry import get_platform
 from omnirun.testing import greedy_gap, greedy_generate, hf_greedy, make_runner, replayed_and_eager
-from quantized_checkpoints import PROMPTS, prefill_logits, write_int4_checkpoint
+from quantized_checkpoints import PROMPTS, prefill_logits, write_int4_checkpoint, write_pack_quantized_checkpoint
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -206,12 +206,18 @@ def _dequantizing(platform):
 
 
 @pytest.mark.device("npu")
-@pytest.mark.parametrize(("method", "group_size", "symmetric"), [("awq", 32, False), ("gptq", 64, True)])
+@pytest.mark.parametrize(
+    ("method", "group_size", "symmetric"), [("awq", 32, False), ("gptq", 64, True), ("pack-quantized", 32, True)]
+)
 def test_an_int4_checkpoint_keeps_its_layers_for_the_kernel_and_gives_hf_s_greedy_tokens(
     tmp_path, monkeypatch, method, group_size, symmetric
 ):
-    """bf16, the kernel's dtype. Groups of 64 make the 64-input layers one group per row (per channel)."""
-    hf, _ = write_int4_checkpoint(tmp_path, "llama", method, group_size, symmetric=symmetric)
+    """bf16, the kernel's dtype. Groups of 64 make the 64-input layers one group per row (per channel).
+    pack-quantized: compressed-tensors' W4A16, as llm-compressor saves it."""
+    if method == "pack-quantized":
+        hf, _ = write_pack_quantized_checkpoint(tmp_path, "llama", 4, group_size, symmetric)
+    else:
+        hf, _ = write_int4_checkpoint(tmp_path, "llama", method, group_size, symmetric=symmetric)
     platform = get_platform("npu")
     assert {"int4_linear", "prepare_int4_linear"} <= set(platform.fused_ops())
     calls = _counted(monkeypatch, sys.modules["torch_npu"])
