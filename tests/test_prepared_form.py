@@ -54,6 +54,7 @@ def test_a_form_of_another_structure_changes_nothing():
         _form(1, group_size=64),  # a number outside the tensors
         dataclasses.replace(_form(1), weight=torch.zeros(4, 3, dtype=torch.int32)),  # another shape
         dataclasses.replace(_form(1), weight=torch.zeros(4, 2, dtype=torch.int64)),  # another dtype
+        dataclasses.replace(_form(1), weight=torch.zeros(4, 2, dtype=torch.int32).to_sparse()),  # another layout
         None,  # no form any more
     ]
     for new in others:

@@ -92,10 +92,12 @@ def _parts(form: Any) -> list[Any]:
 
 def _same_place(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        # Plain strided tensors only: an opaque layout (oneDNN's blocked weights) may not copy in place.
         return (
             isinstance(a, torch.Tensor)
             and isinstance(b, torch.Tensor)
             and (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+            and a.layout == b.layout == torch.strided
         )
     try:
         return type(a) is type(b) and bool(a == b)
