@@ -16,6 +16,7 @@ import omnirun.testing
 from omnirun.batch import build_batch
 from omnirun.devices.xpu.ipex_int4 import IpexInt4
 from omnirun.kernels import offers_triton
+from omnirun.layers import prepared
 from omnirun.layers.linear import Linear
 from omnirun.testing import hf_greedy, make_runner
 from quantized_checkpoints import PROMPTS, write_int4_checkpoint
@@ -80,3 +81,27 @@ def test_awq_checkpoint_keeps_int4_and_follows_hf(monkeypatch, tmp_path, xpu, ar
         assert decided >= len(PROMPTS) * NEW_TOKENS // 2, "too few positions with a clear choice to compare"
     finally:
         runner.close()
+
+
+def test_layers_on_ipex_leave_their_loaded_words_in_host_memory(monkeypatch, tmp_path, xpu) -> None:
+    """IPEX's module holds its own copy (IpexInt4.reads_loaded_tensors False): a layer on IPEX sends its loaded words
+    to host memory, the others keep theirs on the device, and the logits are those with every word on the device.
+    "meta" plays host memory here (on the fake lane the device is the host): a kernel that read it would fail."""
+    monkeypatch.setitem(omnirun.testing._COMMON, "hidden_size", 64)
+    monkeypatch.setitem(omnirun.testing._COMMON, "intermediate_size", 128)
+    write_int4_checkpoint(tmp_path, "llama", "awq", 32)
+    logits = {}
+    for host in ("cpu", "meta"):
+        monkeypatch.setattr(prepared, "HOST", torch.device(host))
+        runner = make_runner(xpu, tmp_path, dtype="bfloat16")
+        try:
+            linears = [m for m in runner.model.modules() if isinstance(m, Linear) and m.int4 is not None]
+            assert any(isinstance(m.prepared, IpexInt4) for m in linears)
+            for m in linears:
+                where = host if isinstance(m.prepared, IpexInt4) else runner.device.type
+                assert m.weight_packed.device.type == m.weight_scale.device.type == where
+            logits[host] = _logits_along(runner, PROMPTS)
+        finally:
+            runner.close()
+    for on_device, on_host in zip(logits["cpu"], logits["meta"], strict=True):
+        assert torch.equal(on_device, on_host)
