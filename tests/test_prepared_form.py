@@ -55,12 +55,14 @@ def test_a_form_of_another_structure_changes_nothing():
         dataclasses.replace(_form(1), weight=torch.zeros(4, 3, dtype=torch.int32)),  # another shape
         dataclasses.replace(_form(1), weight=torch.zeros(4, 2, dtype=torch.int64)),  # another dtype
         dataclasses.replace(_form(1), weight=torch.zeros(4, 2, dtype=torch.int32).to_sparse()),  # another layout
+        (torch.zeros(4).to_mkldnn(),),  # oneDNN's opaque layout (below: never copied into)
         None,  # no form any more
     ]
     for new in others:
         assert not refresh_in_place(old, new)
         assert torch.equal(old.weight, saved)  # untouched, though the weight words matched
     assert not refresh_in_place(None, _form(1))  # a first form
+    assert not refresh_in_place((torch.zeros(4).to_mkldnn(),), (torch.ones(4).to_mkldnn(),))
 
 
 def test_an_opaque_object_is_never_taken_for_the_same():
@@ -121,6 +123,8 @@ def test_held_bytes_count_each_storage_once_and_tell_host_memory_apart(monkeypat
     layer = Layer()  # words int32 [8], scale float32 [2]: 32 + 8 bytes
     layer.prepared = (layer.words, torch.zeros(4, dtype=torch.float16))  # shares words; 8 bytes of its own
     assert held_bytes(layer) == (48, 0)
+    layer.prepared = (torch.zeros(4).to_mkldnn(),)  # oneDNN's opaque layout has no storage: its elements count
+    assert held_bytes(layer) == (56, 0)
     monkeypatch.setattr(prepared, "HOST", torch.device("meta"))  # "meta" plays host memory
     layer.words = nn.Parameter(layer.words.data.to("meta"), requires_grad=False)
     layer.prepared = (torch.zeros(4, dtype=torch.float16),)

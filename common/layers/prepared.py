@@ -52,8 +52,11 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
     tensors = list(model.parameters())
     tensors += [t for m in model.modules() for t in _parts(getattr(m, "prepared", None)) if isinstance(t, torch.Tensor)]
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+        if tensor.layout == torch.strided and not tensor.is_mkldnn:
+            storage = tensor.untyped_storage()
+            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+        else:  # an opaque layout (oneDNN's blocked weights) has no storage to share: its own elements
+            storages[(tensor.device, id(tensor))] = tensor.numel() * tensor.element_size()
     on_host = sum(size for (device, _), size in storages.items() if device == HOST)
     total = sum(storages.values())
     devices = {device for device, _ in storages}
