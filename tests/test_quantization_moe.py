@@ -128,7 +128,8 @@ def test_omnirun_env_says_where_int4_experts_stay_packed():
     from omnirun.env_report import platform_row
 
     assert (
-        "awq/gptq/w4a16 4-bit experts kept packed for int4_fused_moe" in platform_row(keeping_int4(CpuPlatform())).quantized
+        "awq/gptq/w4a16 4-bit experts kept packed for int4_fused_moe"
+        in platform_row(keeping_int4(CpuPlatform())).quantized
     )
     assert "int4_fused_moe" not in platform_row(CpuPlatform()).quantized
 
