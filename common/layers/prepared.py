@@ -63,6 +63,12 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
     return (total, 0) if devices <= {HOST} else (total - on_host, on_host)
 
 
+def loaded_on(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A layer's loaded tensors on `device`, for an op whose form stands alone but which falls back to the reference:
+    they wait in host memory then."""
+    return tuple(tensor.to(device) for tensor in tensors)
+
+
 def reads_loaded_tensors(form: Any) -> bool:
     """Whether the op of this form reads the layer's loaded tensors too (no form: it reads only them)."""
     return form is None or getattr(form, "reads_loaded_tensors", True)

@@ -60,12 +60,13 @@ def pack_int4_rows(values: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _kept(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
-    """q [K, N], zeros and scales [groups, N] -> the kept layer's parameters (omnirun.layers.linear.Int4Weights)."""
+def kept_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """q in 0..15 [N, K], zeros and scales [N, groups] -> the kept layer's parameters
+    (omnirun.layers.linear.Int4Weights)."""
     return {
-        "weight_packed": pack_int4_rows(q.t()),
-        "weight_scale": scales.t().float().contiguous(),
-        "weight_zero_point": zeros.t().to(torch.uint8).contiguous(),
+        "weight_packed": pack_int4_rows(q),
+        "weight_scale": scales.float().contiguous(),
+        "weight_zero_point": zeros.to(torch.uint8).contiguous(),
     }
 
 
@@ -152,7 +153,7 @@ class AwqFormat:
     def kept(self, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The layer's parameters in the kept layout (omnirun.layers.linear.Int4Weights)."""
         q, zeros, scales, _ = self._unpacked(parts)
-        return _kept(q, zeros, scales)
+        return kept_int4(q.t(), zeros.t(), scales.t())
 
     def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         q, zeros, scales, size = self._unpacked(parts)
@@ -244,7 +245,7 @@ class GptqFormat:
                 "the GPTQ checkpoint's g_idx is in act order though its config says desc_act false: set "
                 '"desc_act": true in its quantization_config (such layers are dequantized at load)'
             )
-        return _kept(q, zeros, scales)
+        return kept_int4(q.t(), zeros.t(), scales.t())
 
     def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         q, zeros, scales, group = self._unpacked(parts)

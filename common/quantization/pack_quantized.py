@@ -29,7 +29,7 @@ import torch
 from omnirun.errors import ModelLoadError
 from omnirun.layers.linear import Int4Weights, QuantizedOf, full_precision
 from omnirun.layers.ops import Ops, runs_int4_weights
-from omnirun.quantization.int4 import listed, pack_int4_rows, unpack
+from omnirun.quantization.int4 import kept_int4, listed, unpack
 
 _PACKED_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 _INT_PARTS = ("weight", "weight_scale", "weight_zero_point", "weight_g_idx")
@@ -113,11 +113,7 @@ class PackedIntFormat:
     def kept(self, parts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The layer's parameters in the kept layout (omnirun.layers.linear.Int4Weights)."""
         q, zero, scale, _ = self._unpacked(parts)
-        return {
-            "weight_packed": pack_int4_rows(q),
-            "weight_scale": scale.float().contiguous(),
-            "weight_zero_point": zero.to(torch.uint8).contiguous(),
-        }
+        return kept_int4(q, zero, scale)
 
     def dequantize(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         q, zero, scale, group = self._unpacked(parts)

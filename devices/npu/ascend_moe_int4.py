@@ -36,6 +36,7 @@ import torch
 from omnirun.attention.backend import HALF_DTYPES
 from omnirun.devices.npu.ascend_moe import GROUPS_MAX, INNER_LIMIT, MOE_KERNELS, routed_experts, takes_routing
 from omnirun.layers import native_ops
+from omnirun.layers.prepared import loaded_on
 
 # The MoE kernels and the vendor's int4 packing.
 INT4_MOE_KERNELS = (*MOE_KERNELS, "npu_convert_weight_to_int4pack")
@@ -139,13 +140,8 @@ def ascend_int4_moe_ops(torch_npu: Any, soc: str) -> dict[str, Callable[..., Any
     ) -> torch.Tensor:
         local = w13_packed.shape[0]
         if prepared is None or x.dtype not in HALF_DTYPES or not takes_routing(x, router_logits, local, top_k):
-            # The loaded tensors, from host memory where the prepared form stands in for them on the device.
-            loaded = (
-                t.to(x.device) for t in (w13_packed, w13_scale, w13_zero_point, w2_packed, w2_scale, w2_zero_point)
-            )
-            return native_ops.int4_fused_moe(
-                x, router_logits, *loaded, top_k, renormalize, expert_start, group_size
-            )  # fmt: skip
+            loaded = loaded_on(x.device, w13_packed, w13_scale, w13_zero_point, w2_packed, w2_scale, w2_zero_point)
+            return native_ops.int4_fused_moe(x, router_logits, *loaded, top_k, renormalize, expert_start, group_size)
         return routed_experts(
             torch_npu,
             x,

@@ -28,6 +28,7 @@ import torch
 
 from omnirun.attention.backend import HALF_DTYPES
 from omnirun.layers import native_ops
+from omnirun.layers.prepared import loaded_on
 
 INT4_KERNELS = ("npu_convert_weight_to_int4pack", "npu_weight_quant_batchmatmul")
 # Where int32-carried int4 weights and per-group scales run: Atlas A2 (Ascend910B*), A3 (Ascend910_93*) in torch_npu's
@@ -99,8 +100,7 @@ def ascend_int4_ops(torch_npu: Any, soc: str) -> dict[str, Callable[..., Any]]:
     ) -> torch.Tensor:
         # The kernel takes float16/bfloat16 x and no empty tensor; shape checks only, so it runs inside graphs.
         if prepared is None or x.dtype not in HALF_DTYPES or x.numel() == 0:
-            # The loaded tensors, from host memory where the prepared form stands in for them on the device.
-            loaded = (t.to(x.device) for t in (weight_packed, weight_scale, weight_zero_point))
+            loaded = loaded_on(x.device, weight_packed, weight_scale, weight_zero_point)
             return native_ops.int4_linear(x, *loaded, bias, group_size)
         scale, offset = prepared.antiquant[x.dtype]
         if bias is not None:  # the doc: bias float32 for bfloat16 x, float16 for float16 x

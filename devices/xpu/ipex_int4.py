@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from omnirun.layers import native_ops
+from omnirun.layers.prepared import loaded_on
 
 HALF = (torch.bfloat16, torch.float16)
 GROUP_SIZES = (32, 64, 128, 256, 512, 1024)  # XeTLA's GEMV (0 = per channel, 32..1024); its dequantizer adds 16
@@ -124,9 +125,7 @@ def ipex_int4_ops(ipex: Any, fallback: Mapping[str, Callable[..., Any]]) -> dict
         prepared: Any = None,
     ) -> torch.Tensor:
         if not isinstance(prepared, IpexInt4) or x.dtype not in HALF:
-            # The loaded tensors, from host memory where the prepared form stands in for them on the device.
-            loaded = (t.to(x.device) for t in (weight_packed, weight_scale, weight_zero_point))
-            return plain(x, *loaded, bias, group_size)
+            return plain(x, *loaded_on(x.device, weight_packed, weight_scale, weight_zero_point), bias, group_size)
         out = prepared.linear(x.reshape(-1, x.shape[-1]).contiguous())  # [M, N] in x's dtype
         if bias is not None:
             out = out + bias
